@@ -1,0 +1,100 @@
+"""Engine throughput on SmolLM2: infermesh (fp32, bf16) next to transformers, same run.
+
+    python bench/engine.py [--quick] [--out bench/RESULTS.md]
+
+Measures batch-1 decode tokens/s, batch-32 decode tokens/s and the prefill tokens/s
+of one 2048-token prompt. Decode rates exclude the prefill: they time steps after
+every sequence has its first token. Prints a markdown table; --out appends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from engine.weights import load_checkpoint, resolve_model  # noqa: E402
+
+PROMPT_TOKENS = [504, 3575, 282, 4649, 314]  # any short prompt; decode cost barely depends on it
+
+
+def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int) -> dict[str, float]:
+    core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, dtype)),
+                      EngineConfig(dtype=dtype, max_num_batched_tokens=max(2048, prefill_len)))
+    greedy = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
+    rates = {}
+    for b in (1, batch):
+        for i in range(b):
+            core.add_request(f"b{b}-{i}", PROMPT_TOKENS + [i % 100], greedy)
+        core.step()  # all prefills fit one step
+        start = time.perf_counter()
+        produced = sum(len(o.new_token_ids) for _ in range(decode_steps) for o in core.step())
+        rates[f"decode_b{b}"] = produced / (time.perf_counter() - start)
+        while core.has_unfinished():
+            core.step()
+    prompt = [(7 * i) % 40000 + 100 for i in range(prefill_len)]
+    core.add_request("prefill", prompt, SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    core.step()
+    rates["prefill"] = prefill_len / (time.perf_counter() - start)
+    return rates
+
+
+def transformers_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    rates = {}
+    with torch.inference_mode():
+        for b in (1, batch):
+            ids = torch.tensor([PROMPT_TOKENS + [i % 100] for i in range(b)])
+            kwargs = dict(do_sample=False, pad_token_id=2, eos_token_id=None)
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=decode_steps + 1, min_new_tokens=decode_steps + 1, **kwargs)
+            rates[f"decode_b{b}"] = b * decode_steps / (time.perf_counter() - start - first)
+        prompt = torch.tensor([[(7 * i) % 40000 + 100 for i in range(prefill_len)]])
+        start = time.perf_counter()
+        model(prompt, logits_to_keep=1)
+        rates["prefill"] = prefill_len / (time.perf_counter() - start)
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    batch, steps, prefill = (4, 4, 128) if args.quick else (32, 32, 2048)
+    rows = []
+    for name, fn in (("infermesh", infermesh_rates), ("transformers", transformers_rates)):
+        for dtype in ("float32", "bfloat16"):
+            r = fn(dtype, batch, steps, prefill)
+            rows.append(f"| {name} | {dtype} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} | {r['prefill']:.0f} |")
+            print(rows[-1], flush=True)
+    header = (
+        f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        f"| engine | dtype | decode b1 tok/s | decode b{batch} tok/s | prefill {prefill} tok/s |\n|---|---|---|---|---|"
+    )
+    table = header + "\n" + "\n".join(rows) + "\n"
+    print(table)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write("\n" + table)
+
+
+if __name__ == "__main__":
+    main()

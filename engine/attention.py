@@ -1,0 +1,143 @@
+"""Rotary embeddings and attention over the paged KV cache (the torch path).
+
+A step's batch is flat: T new tokens from several sequences. `AttentionMetadata`
+says where each new token's K/V goes in the cache (`slot_mapping`) and how the
+queries group: the first `num_decode` tokens are single-token queries of distinct
+sequences (decode steps, or one-token prefill chunks), run together over their
+block tables; then one `PrefillSpan` per multi-token chunk. The masks are built
+once per step here, not once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import RopeScaling
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    start: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    context_len: int  # cached prefix + this chunk
+    block_table: torch.Tensor | None  # [blocks] int64; None when the chunk has no prefix
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None means plain causal
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: tuple[PrefillSpan, ...]
+
+
+def build_metadata(
+    *,
+    slot_mapping: list[int],
+    decode_block_tables: list[list[int]],
+    decode_context_lens: list[int],
+    prefill_chunks: list[tuple[int, int, list[int]]],  # (num_tokens, context_len, block_table)
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Tensors and masks for one step; decode rows come first in the flat batch."""
+    num_decode = len(decode_block_tables)
+    tables = mask = None
+    if num_decode:
+        width = max(len(t) for t in decode_block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_block_tables], dtype=torch.long, device=device)
+        lens = torch.tensor(decode_context_lens, device=device)
+        mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    spans, start = [], num_decode
+    for num_tokens, context_len, table in prefill_chunks:
+        if context_len == num_tokens:
+            spans.append(PrefillSpan(start, num_tokens, context_len, None, None))
+        else:
+            first = context_len - num_tokens
+            q_pos = torch.arange(first, context_len, device=device)
+            span_mask = torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]  # [n, ctx]
+            blocks = torch.tensor(table[: math.ceil(context_len / block_size)], dtype=torch.long, device=device)
+            spans.append(PrefillSpan(start, num_tokens, context_len, blocks, span_mask))
+        start += num_tokens
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        num_decode=num_decode,
+        decode_block_tables=tables,
+        decode_mask=mask,
+        prefills=tuple(spans),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store the new K/V in the cache, then attend; returns [T, Hq, D]."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    outputs = []
+    if meta.num_decode:
+        tables = meta.decode_block_tables
+        kd = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        outputs.append(od[:, :, 0, :])  # [B, Hq, D]
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.num_tokens)
+        qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
+        if span.block_table is None:
+            ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ks = k_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            vs = v_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions [0, max_position), computed in float32 as HF does."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling, device=None) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        freqs = torch.outer(torch.arange(max_position, device=device).float(), inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; rotate each token by its position."""
+        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    if s.kind == "llama3":
+        low_wavelen = s.original_max_position / s.low_freq_factor
+        high_wavelen = s.original_max_position / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq

@@ -1,0 +1,133 @@
+"""KV block accounting with prefix caching. Pure Python: no torch.
+
+Blocks hold `block_size` tokens. A sequence's block table is a plain list of block
+ids owned by the caller; this class keeps reference counts and the prefix cache.
+
+Prefix cache: every full block whose tokens are computed gets a hash that chains
+the previous block's hash with its own token ids (`block_hash`), so a hash names a
+whole prefix. A new prompt reuses the longest run of cached blocks that matches
+its own chain. Blocks whose reference count drops to 0 are free but keep their
+contents and hash until reused: allocation takes the least recently freed block
+first (LRU eviction), so recently used prefixes survive longest.
+
+Hashes are stable across processes (blake2b), so the registry can publish them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Sequence
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of a full block given the hash of the block before it (None for the first)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chain hashes of every full block of `token_ids`."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks} and {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free_lru: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_lru)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Take a reference on the longest cached prefix of `token_ids`: (blocks, their chain hashes).
+
+        At least the last token is left uncached, so that the caller computes it and
+        has logits to sample from.
+        """
+        blocks: list[int] = []
+        hashes: list[int] = []
+        usable = (len(token_ids) - 1) // self.block_size
+        for h in prefix_hashes(token_ids[: usable * self.block_size], self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+        for block in blocks:
+            self._acquire(block)
+        return blocks, hashes
+
+    def cache_full_blocks(self, block_table: Sequence[int], token_ids: Sequence[int],
+                          num_computed: int, chain: list[int]) -> None:
+        """Publish blocks that became full and computed; `chain` (the sequence's block
+        hashes so far) grows by one hash per newly full block."""
+        full = min(num_computed // self.block_size, len(block_table))
+        for i in range(len(chain), full):
+            h = block_hash(chain[-1] if chain else None, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chain.append(h)
+            block = block_table[i]
+            if self.hash_of[block] is None and h not in self.cached:
+                self.hash_of[block] = h
+                self.cached[h] = block
+            # else: a matched block already carries h, or another block holds this prefix.
+
+    def cached_hashes(self) -> list[int]:
+        return list(self.cached)
+
+    # ---- allocation ---------------------------------------------------------------
+
+    def grow(self, block_table: list[int], num_tokens: int) -> bool:
+        """Append blocks so that `block_table` covers `num_tokens`; False (and no change) if short."""
+        needed = self.blocks_for(num_tokens) - len(block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self.free_lru):
+            return False
+        for _ in range(needed):
+            block, _ = self.free_lru.popitem(last=False)  # least recently freed
+            self._evict(block)
+            self.ref_counts[block] = 1
+            block_table.append(block)
+        return True
+
+    def free(self, block_table: list[int]) -> None:
+        """Drop one reference on each block; the table is emptied."""
+        for block in reversed(block_table):  # the tail of a prefix is the least reusable: evict it first
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than allocated")
+            if self.ref_counts[block] == 0:
+                self.free_lru[block] = None
+        block_table.clear()
+
+    def _acquire(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_lru[block]
+        self.ref_counts[block] += 1
+
+    def _evict(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            del self.cached[h]
+            self.hash_of[block] = None

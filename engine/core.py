@@ -1,0 +1,195 @@
+"""The engine core: requests in, per-step token and text deltas out.
+
+`EngineCore.step()` is the loop body: schedule -> run the model -> sample ->
+append tokens, detokenize, check stop conditions -> report. It is single-threaded;
+a service drives it from one thread and feeds requests in between steps.
+
+Requests are validated on `add_request` (`RequestError` names the field and the
+limit). A finished or aborted request frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.model import build_model
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams, TokenLogprobs, sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import IncrementalDetokenizer
+from engine.weights import Checkpoint, WeightsError, check_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the limit."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context
+    seed: int | None = None  # for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: FinishReason | None
+    new_logprobs: list[TokenLogprobs]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
+        self.config = config
+        self.model_config = cfg = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        device = torch.device(config.device)
+        check_weights(cfg, checkpoint.weights, checkpoint.source)
+        try:
+            model = build_model(cfg, checkpoint.weights, device)
+        except (KeyError, RuntimeError) as e:
+            raise WeightsError(f"{checkpoint.source}: {e}") from None
+        num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype, config.kv_cache_bytes)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
+            self.blocks,
+        )
+        kv_cache = allocate_kv_cache(cfg, num_blocks, config.block_size, config.torch_dtype, device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, device)
+        self.max_model_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len, num_blocks * config.block_size)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._sequences: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        self._generator = torch.Generator()
+        if config.seed is not None:
+            self._generator.manual_seed(config.seed)
+        else:
+            self._generator.seed()
+        self._seeded: dict[str, torch.Generator] = {}
+
+    # ---- requests -----------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self._sequences:
+            raise RequestError(f"request_id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise RequestError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
+        self._sequences[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._emitted[request_id] = 0
+        if params.seed is not None:
+            self._seeded[request_id] = torch.Generator().manual_seed(params.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sequences)
+
+    # ---- the loop -----------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampling, logits = self.runner.run(chunks)
+        self.scheduler.update(chunks)
+        if not sampling:
+            return []
+        seqs = [c.seq for c in sampling]
+        tokens, logprobs = sample(
+            logits, [s.params for s in seqs], [self._seeded.get(s.request_id) for s in seqs], self._generator
+        )
+        return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
+        params = seq.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        else:
+            before = len(seq.text)
+            seq.text += self._detokenizers[seq.request_id].push(token)
+            cut = _find_stop(seq.text, params.stop, before)
+            if cut is not None:
+                seq.text, reason = seq.text[:cut], FinishReason.STOP
+        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        emitted = self._emitted[seq.request_id]
+        hold = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)  # a stop string may be forming
+        upto = max(emitted, len(seq.text) - hold)
+        self._emitted[seq.request_id] = upto
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq.request_id)
+        return StepOutput(seq.request_id, [token], seq.text[emitted:upto], reason, [logprob] if logprob else [])
+
+    def _forget(self, request_id: str) -> None:
+        for table in (self._sequences, self._detokenizers, self._emitted, self._seeded):
+            table.pop(request_id, None)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, looking only at matches touching new text."""
+    hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) != -1]
+    return min(hits) if hits else None

@@ -1,0 +1,30 @@
+"""The paged KV cache: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
+
+Which blocks a sequence owns is the block manager's business (pure Python); this
+module only sizes and allocates the tensors. Block ids index the first dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_bytes: int) -> int:
+    return max(1, cache_bytes // bytes_per_block(cfg, block_size, dtype))
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu", num_kv_heads: int | None = None) -> KVCache:
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    shape = (num_blocks, block_size, heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]

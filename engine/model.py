@@ -1,0 +1,160 @@
+"""One decoder-only transformer for llama, mistral, qwen3, mixtral and qwen3_moe.
+
+The architectures differ only in a few switches read from `ModelConfig`: q/k
+RMSNorm (qwen3), and a dense SwiGLU MLP or a `SparseMoE` per layer. Projections are
+fused (qkv, gate_up) when weights load: fewer, larger matmuls. The model never
+imports torch.distributed; parallelism is applied from outside.
+
+`forward(token_ids [T], positions [T], kv_cache, meta) -> hidden [T, D]`;
+`compute_logits(hidden [N, D]) -> [N, V]` in float32, run only on the rows sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, RotaryEmbedding, paged_attention
+from engine.config import ModelConfig
+from engine.moe import SparseMoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.flatten(1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if index in cfg.moe_layers:
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                            cfg.num_experts_per_token, cfg.norm_topk_prob)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, device=device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, token_ids, positions, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta):
+        x = self.embed_tokens(token_ids)  # [T, D]
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            x = layer(x, positions, layer_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # [N, V]
+
+
+def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> Transformer:
+    """Construct without allocating, then adopt the checkpoint's tensors (no copy on CPU)."""
+    try:
+        state = engine_state_dict(cfg, hf_weights)
+    except KeyError as e:
+        raise KeyError(f"checkpoint is missing weight {e.args[0]!r}") from None
+    with torch.device("meta"):
+        model = Transformer(cfg, device=device)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()
+
+
+def engine_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this model's parameters (qkv and gate_up fused, experts stacked)."""
+    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
+        if cfg.attention_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
+        out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+        if cfg.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
+        if i in cfg.moe_layers:
+            out.update(_moe_weights(cfg, hf, src, dst + "mlp."))
+        else:
+            mlp = src + "mlp."
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+            out[dst + "mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
+    return out
+
+
+def _moe_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    if src + "block_sparse_moe.gate.weight" in hf:  # mixtral naming: w1 gate, w3 up, w2 down
+        base, gate, up, down = src + "block_sparse_moe.", "w1", "w3", "w2"
+    else:  # qwen3_moe naming
+        base, gate, up, down = src + "mlp.", "gate_proj", "up_proj", "down_proj"
+    experts = range(cfg.num_experts)
+    return {
+        dst + "gate.weight": hf[base + "gate.weight"],
+        dst + "w_gate_up": torch.stack(
+            [torch.cat([hf[f"{base}experts.{e}.{gate}.weight"], hf[f"{base}experts.{e}.{up}.weight"]]) for e in experts]
+        ),  # [E, 2I, D]
+        dst + "w_down": torch.stack([hf[f"{base}experts.{e}.{down}.weight"] for e in experts]),  # [E, D, I]
+    }
