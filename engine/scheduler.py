@@ -36,15 +36,16 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token of the chunk (= tokens already in the cache)
     num_tokens: int
+    samples: bool  # the chunk reaches the sequence's last known token, so a new token is drawn
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last known token, so a new token is drawn."""
-        return self.end == self.seq.num_tokens
 
 
 class Scheduler:
@@ -75,7 +76,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                chunks.append(ScheduledChunk.of(seq, n))
                 in_step.add(id(seq))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -91,7 +92,7 @@ class Scheduler:
             seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
         return chunks
 

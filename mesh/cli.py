@@ -45,10 +45,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object with ids, usage and timings last."),
 ) -> None:
     """Generate text for PROMPT, streaming it as it is produced."""
-    from engine import LLM, RequestError, SamplingParams, SamplingParamsError
-    from engine.config import ConfigError
-    from engine.tokenizer import TokenizerError
-    from engine.weights import WeightsError
+    from engine import LLM, SamplingParams
 
     if not prompt:
         _fail("prompt must not be empty")
@@ -69,7 +66,7 @@ def generate(
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         end = time.monotonic()
-    except (SamplingParamsError, RequestError, WeightsError, ConfigError, TokenizerError) as e:
+    except ValueError as e:  # every engine input error (params, request, weights, config) is a ValueError
         _fail(str(e))
     sys.stdout.write("\n")
     if as_json:
