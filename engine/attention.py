@@ -93,8 +93,12 @@ def paged_attention(
         kd = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
         qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            # On CPU, SDPA on reduced precision is ~4x slower than in float32 for one-token queries (measured:
+            # 2.7 vs 0.5 ms for 32 sequences of 128 tokens), so decode attention runs in float32 there.
+            qd, kd, vd = qd.float(), kd.float(), vd.float()
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        outputs.append(od[:, :, 0, :])  # [B, Hq, D]
+        outputs.append(od[:, :, 0, :].to(q.dtype))  # [B, Hq, D]
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel

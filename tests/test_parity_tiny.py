@@ -86,3 +86,14 @@ def test_prefix_cache_reuse_gives_the_same_tokens(tiny_checkpoint):
     second = llm.generate([follow_up], GREEDY)[0]
     assert second.cached_prompt_tokens >= 64
     assert second.token_ids == hf_greedy(hf, follow_up)[0]
+
+
+def test_sharded_safetensors_with_an_index_load_the_same_model(tiny_checkpoint, tmp_path):
+    folder, hf = tiny_checkpoint("mixtral")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    (tmp_path / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompt = prompts(3)[2]
+    (out,) = LLM(str(tmp_path), dtype="float32").generate([prompt], GREEDY)
+    assert out.token_ids == hf_greedy(hf, prompt)[0]

@@ -72,3 +72,12 @@ def test_tokenizer_matches_transformers_on_varied_strings(smollm2_llm, smollm2_h
 def test_special_tokens_encode_to_their_ids(smollm2_llm):
     assert smollm2_llm.tokenizer.encode("<|im_start|>user") [0] == 1
     assert smollm2_llm.tokenizer.eos_token_ids == (2,)
+
+
+def test_bfloat16_engine_answers_paris_too():
+    from engine import LLM
+
+    llm = LLM("smollm2-135m", dtype="bfloat16")
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_tokens=40, temperature=0.0))
+    assert "Paris" in out.text
