@@ -1,0 +1,35 @@
+"""Stateless process groups: built from a TCPStore, never through the global default group.
+
+Several groups can live in one process (a TP group, a CP group, later a KV-transfer
+pair or an expert attachment), and instances can come and go without touching
+`torch.distributed`'s world. Collectives are called on the group object itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def rendezvous(host: str, port: int, rank: int, world_size: int,
+               timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """Rank 0 hosts the store; the others connect to it."""
+    return dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+
+
+def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *, backend: str = "gloo",
+                    timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.ProcessGroup:
+    """A process group named `name` among `world_size` ranks sharing `store`."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    prefixed = dist.PrefixStore(name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
