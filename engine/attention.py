@@ -123,13 +123,16 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; rotate each token by its position."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's tokens, [T, 1, D] each: looked up once per step, used by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; rotate each token by its position (cos, sin from RotaryEmbedding.tables)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""All-reduce latency per algorithm (flat, tree, ring) across message sizes, over gloo.
+
+    python bench/parallel.py [--world 2] [--quick]
+
+Each rank runs one thread (torch.set_num_threads(1)); the crossover sizes are what
+AllReduceThresholds should be on this machine. Prints a markdown table (median
+microseconds per all-reduce of float32 messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.parallel.allreduce import AllReduceAlgorithm, all_reduce  # noqa: E402
+from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
+
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
+
+
+def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, results) -> None:
+    torch.set_num_threads(1)
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, world), "bench", rank, world)
+    for size in sizes:
+        t = torch.ones(size // 4)
+        for algorithm in AllReduceAlgorithm:
+            times = []
+            for _ in range(repeats):
+                group.barrier().wait()
+                start = time.perf_counter()
+                all_reduce(t, group, algorithm)
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                results.put((size, algorithm.value, statistics.median(times) * 1e6))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sizes, repeats = (SIZES[:2], 3) if args.quick else (SIZES, 10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(args.world, port, sizes, repeats, results), nprocs=args.world)
+    table: dict[int, dict[str, float]] = {}
+    while not results.empty():
+        size, name, us = results.get()
+        table.setdefault(size, {})[name] = us
+    print(f"### all-reduce, gloo, {args.world} ranks x 1 thread, median µs\n")
+    print("| bytes | flat | tree | ring | fastest |\n|---|---|---|---|---|")
+    for size in sorted(table):
+        row = table[size]
+        print(f"| {size} | {row['flat']:.0f} | {row['tree']:.0f} | {row['ring']:.0f} | {min(row, key=row.get)} |")
+
+
+if __name__ == "__main__":
+    main()
