@@ -23,7 +23,7 @@ from engine.sampler import SamplingParams, TokenLogprobs, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import IncrementalDetokenizer
-from engine.weights import Checkpoint, WeightsError, check_weights
+from engine.weights import Checkpoint, WeightsError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,11 +76,10 @@ class EngineCore:
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         device = torch.device(config.device)
-        check_weights(cfg, checkpoint.weights, checkpoint.source)
         try:
             model = build_model(cfg, checkpoint.weights, device)
-        except (KeyError, RuntimeError) as e:
-            raise WeightsError(f"{checkpoint.source}: {e}") from None
+        except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
+            raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
         num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype, config.kv_cache_bytes)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(

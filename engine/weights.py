@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,18 +182,6 @@ def _undo_llama_cpp_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp stores q/k rows per head as interleaved (re, im) pairs; HF keeps halves."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # [heads, 2, half, in]
-
-
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: os.PathLike) -> None:
-    """Raise WeightsError naming the first expected tensor that is missing."""
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        expected.append("lm_head.weight")
-    for i in range(config.num_layers):
-        expected += [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"]
-    missing = [name for name in expected if name not in weights]
-    if missing:
-        raise WeightsError(f"{source} is missing {len(missing)} weights, first {missing[0]!r}")
 
 
 __all__ = ["Checkpoint", "ConfigError", "DEFAULT_MODEL", "WeightsError", "load_checkpoint", "resolve_model"]

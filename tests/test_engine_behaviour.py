@@ -138,3 +138,16 @@ def test_unsupported_architecture_is_refused(tmp_path, tiny_checkpoint):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported; supported: llama, mistral"):
         LLM(str(tmp_path))
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused(tmp_path, tiny_checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny_checkpoint("llama")
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_text((folder / name).read_text())
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(WeightsError, match="missing weight 'model.layers.1.mlp.up_proj.weight'"):
+        LLM(str(tmp_path))
