@@ -92,9 +92,6 @@ class BlockManager:
                 self.cached[h] = block
             # else: a matched block already carries h, or another block holds this prefix.
 
-    def cached_hashes(self) -> list[int]:
-        return list(self.cached)
-
     # ---- allocation ---------------------------------------------------------------
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:

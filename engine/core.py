@@ -137,10 +137,6 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_active(self) -> int:
-        return len(self._sequences)
-
     # ---- the loop -----------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
