@@ -12,6 +12,11 @@ from engine.config import ConfigError
 from engine.weights import WeightsError
 
 
+def copy_files(src, dst, names=("config.json", "tokenizer.json")) -> None:
+    for name in names:
+        (dst / name).write_text((src / name).read_text())
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
@@ -110,15 +115,14 @@ def test_unknown_model_name_is_refused():
 
 def test_missing_weight_files_are_refused(tmp_path, tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
-    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    copy_files(folder, tmp_path, ["config.json"])
     with pytest.raises(WeightsError, match="has no \\*.safetensors weight files"):
         LLM(str(tmp_path))
 
 
 def test_corrupted_weight_files_are_refused(tmp_path, tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
-    for name in ("config.json", "tokenizer.json"):
-        (tmp_path / name).write_text((folder / name).read_text())
+    copy_files(folder, tmp_path)
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(WeightsError, match="cannot read .*model.safetensors"):
         LLM(str(tmp_path))
@@ -144,8 +148,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused(tmp_path, tiny_checkpoint):
     from safetensors.torch import load_file, save_file
 
     folder, _ = tiny_checkpoint("llama")
-    for name in ("config.json", "tokenizer.json"):
-        (tmp_path / name).write_text((folder / name).read_text())
+    copy_files(folder, tmp_path)
     weights = load_file(folder / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
