@@ -82,6 +82,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_head_map: torch.Tensor | None = None,  # [Hq]: KV head of each query head, when not plain GQA groups
 ) -> torch.Tensor:
     """Store the new K/V in the cache, then attend; returns [T, Hq, D]."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -92,6 +93,7 @@ def paged_attention(
         tables = meta.decode_block_tables
         kd = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        kd, vd = for_query_heads(kd, kv_head_map), for_query_heads(vd, kv_head_map)
         qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
         if q.device.type == "cpu" and q.dtype != torch.float32:
             # On CPU, SDPA on reduced precision is ~4x slower than in float32 for one-token queries (measured:
@@ -104,13 +106,20 @@ def paged_attention(
         qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
         if span.block_table is None:
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ks = k_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
             vs = v_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def for_query_heads(kv: torch.Tensor, kv_head_map: torch.Tensor | None) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hq, L, D] by the map; unchanged without one (SDPA then groups heads itself)."""
+    return kv if kv_head_map is None else kv.index_select(1, kv_head_map)
 
 
 class RotaryEmbedding:

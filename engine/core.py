@@ -16,14 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_cache import allocate_kv_cache, num_blocks_for
-from engine.model import build_model
-from engine.runner import ModelRunner
+from engine.executor import ParallelExecutor
+from engine.kv_cache import num_blocks_for
+from engine.parallel.context import ParallelConfig, ParallelContext
+from engine.parallel.tp import max_kv_heads_per_rank
+from engine.runner import build_runner
 from engine.sampler import SamplingParams, TokenLogprobs, sample
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
+from engine.step_plan import plan_step
 from engine.tokenizer import IncrementalDetokenizer
-from engine.weights import Checkpoint, WeightsError
+from engine.weights import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,23 +74,26 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
-        self.config = config
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
+        self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        device = torch.device(config.device)
-        try:
-            model = build_model(cfg, checkpoint.weights, device)
-        except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
-            raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
-        num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype, config.kv_cache_bytes)
+        parallel.check(cfg)
+        kv_heads = max_kv_heads_per_rank(cfg, parallel.tp)
+        num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype,
+                                                            config.kv_cache_bytes, kv_heads)
+        layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
+                      num_blocks=num_blocks)
+        if parallel.world_size == 1:
+            self.executor = build_runner(checkpoint, ParallelContext(config=parallel, rank=0), **layout)
+        else:
+            self.executor = ParallelExecutor(checkpoint, parallel, **layout)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
             self.blocks,
         )
-        kv_cache = allocate_kv_cache(cfg, num_blocks, config.block_size, config.torch_dtype, device)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, device)
         self.max_model_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len, num_blocks * config.block_size)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
@@ -134,6 +140,11 @@ class EngineCore:
         self._forget(request_id)
         return True
 
+    def close(self) -> None:
+        """Stop the follower ranks of a parallel instance; safe to call twice."""
+        if isinstance(self.executor, ParallelExecutor):
+            self.executor.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -143,7 +154,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        sampling, logits = self.runner.run(chunks)
+        sampling, logits = self.run_model(chunks)
         self.scheduler.update(chunks)
         if not sampling:
             return []
@@ -152,6 +163,12 @@ class EngineCore:
             logits, [s.params for s in seqs], [self._seeded.get(s.request_id) for s in seqs], self._generator
         )
         return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def run_model(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """The sampling chunks and their logits [len(sampling), V], row for row."""
+        plan, ordered = plan_step(chunks, self.config.block_size)
+        logits = self.executor.execute(plan)
+        return [ordered[i] for i in plan.sampling_indices], logits
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
         params = seq.params

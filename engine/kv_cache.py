@@ -18,8 +18,9 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_k
     return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_bytes: int) -> int:
-    return max(1, cache_bytes // bytes_per_block(cfg, block_size, dtype))
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_bytes: int,
+                   num_kv_heads: int | None = None) -> int:
+    return max(1, cache_bytes // bytes_per_block(cfg, block_size, dtype, num_kv_heads))
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

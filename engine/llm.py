@@ -5,6 +5,9 @@
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=20)): print(delta.text, end="")
 
 `generate` and `chat` run all their prompts together in one continuous batch.
+With `tp=`, `cp=` or `ep=` above 1 the engine runs over that many local ranks
+(this process is rank 0, the others are child processes); `close()` or a `with`
+block stops them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
 from engine.core import EngineConfig, EngineCore, RequestError
+from engine.parallel.context import ParallelConfig
 from engine.sampler import SamplingParams, TokenLogprobs
 from engine.weights import DEFAULT_MODEL, load_checkpoint
 
@@ -55,12 +59,24 @@ class CompletionDelta:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu", **engine_options) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
+                 tp: int = 1, cp: int = 1, ep: int = 1, **engine_options) -> None:
         config = EngineConfig(dtype=dtype, device=device, **engine_options)
+        parallel = ParallelConfig(tp=tp, cp=cp, ep=ep)
         checkpoint = load_checkpoint(model, config.torch_dtype)
-        self.engine = EngineCore(checkpoint, config)
+        self.engine = EngineCore(checkpoint, config, parallel)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel engine (tp/cp/ep > 1); safe to call twice."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:

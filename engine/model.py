@@ -43,6 +43,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.kv_head_map: torch.Tensor | None = None  # KV head of each query head when not plain GQA (set by TP)
+        self.attend = paged_attention  # replaced from outside by context parallelism
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata):
@@ -53,7 +55,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        out = self.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kv_head_map)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
 
@@ -93,7 +95,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # shares embed's weight when tied
 
     def forward(self, token_ids, positions, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(token_ids)  # [T, D]
@@ -103,8 +105,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, V]
+        return self.lm_head(hidden).float()  # [N, V]
 
 
 def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> Transformer:
@@ -122,8 +123,7 @@ def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor], device: t
 def engine_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face names -> this model's parameters (qkv and gate_up fused, experts stacked)."""
     out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
+    out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."

@@ -1,8 +1,8 @@
-"""Runs one scheduled step through the model: flat inputs in, logits of the sampled rows out.
+"""Runs one step plan through the model: flat inputs in, logits of the sampled rows out.
 
-Single-token chunks (decode steps) go first in the flat batch and share one batched
-attention call; multi-token chunks (prefill) follow, one span each. Logits are
-computed only for the last token of each chunk that reaches its sequence's end.
+Single-token chunks (decode steps) come first in the flat batch and share one
+batched attention call; multi-token chunks (prefill) follow, one span each.
+Logits are computed only for the last row of each chunk that samples.
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 
 from engine.attention import build_metadata
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.scheduler import ScheduledChunk
+from engine.kv_cache import KVCache, allocate_kv_cache
+from engine.model import Transformer, build_model
+from engine.parallel.context import ParallelContext
+from engine.parallel.parallelize import parallelize
+from engine.step_plan import StepPlan
+from engine.weights import Checkpoint, WeightsError
 
 
 class ModelRunner:
@@ -20,34 +23,43 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Returns the sampling chunks and their logits [len(sampling), V] (float32), in the same order."""
-        ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.sampling_indices), V] (float32), in plan order."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_tables, decode_lens, prefill_chunks = [], [], []
-        sample_rows, sampling = [], []
+        sample_rows = []
         bs = self.block_size
-        for chunk in ordered:
-            seq = chunk.seq
-            token_ids += seq.token_ids[chunk.start:chunk.end]
+        for chunk in plan.chunks:
+            table = chunk.block_table
+            token_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
+            slots += [table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
             if chunk.num_tokens == 1:
-                decode_tables.append(seq.block_table[: -(-chunk.end // bs)])
+                decode_tables.append(list(table))
                 decode_lens.append(chunk.end)
             else:
-                prefill_chunks.append((chunk.num_tokens, chunk.end, seq.block_table))
+                prefill_chunks.append((chunk.num_tokens, chunk.end, list(table)))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
-                sampling.append(chunk)
         meta = build_metadata(slot_mapping=slots, decode_block_tables=decode_tables, decode_context_lens=decode_lens,
                               prefill_chunks=prefill_chunks, block_size=bs, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, D]
-        if not sample_rows:
-            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, device=self.device)
-        return sampling, self.model.compute_logits(hidden[rows])
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])  # [S, V]
+
+
+def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
+                 num_blocks: int) -> ModelRunner:
+    """This rank's model (sharded for `ctx`) and KV cache (its KV heads only)."""
+    try:
+        model = build_model(checkpoint.config, checkpoint.weights, device)
+    except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
+        raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
+    parallelize(model, ctx)
+    kv_heads = model.layers[0].self_attn.num_kv_heads
+    kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)
+    return ModelRunner(model, kv_cache, block_size, torch.device(device))

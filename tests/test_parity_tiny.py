@@ -27,7 +27,7 @@ def hf_greedy(model, prompt: list[int], steps: int = STEPS):
 def engine_with_logit_capture(folder, **options):
     llm = LLM(str(folder), dtype="float32", **options)
     captured: dict[str, list[torch.Tensor]] = {}
-    run = llm.engine.runner.run
+    run = llm.engine.run_model
 
     def capturing_run(chunks):
         sampling, logits = run(chunks)
@@ -35,7 +35,7 @@ def engine_with_logit_capture(folder, **options):
             captured.setdefault(chunk.seq.request_id, []).append(row.clone())
         return sampling, logits
 
-    llm.engine.runner.run = capturing_run
+    llm.engine.run_model = capturing_run
     return llm, captured
 
 

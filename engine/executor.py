@@ -1,0 +1,54 @@
+"""Run step plans over a local group of ranks: rank 0 here, followers in child processes.
+
+`ParallelExecutor.execute(plan)` has the same contract as `ModelRunner.execute`:
+the logits of the sampled rows, on rank 0. Followers load the checkpoint from its
+source themselves, shard it for their rank and follow the broadcast plans.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.context import ParallelConfig, connect
+from engine.parallel.launcher import ParallelError, RankGroup, receive_plan, send_plan
+from engine.runner import build_runner
+from engine.step_plan import StepPlan
+from engine.weights import Checkpoint, load_checkpoint
+
+
+class ParallelExecutor:
+    def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
+                 block_size: int, num_blocks: int) -> None:
+        layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks)
+        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout))
+        ctx = self.ranks.connect()
+        try:
+            self.runner = build_runner(checkpoint, ctx, **layout)
+        except BaseException as e:
+            raise self.ranks.failure(e) from e
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        if self.ranks.context is None:
+            raise ParallelError("this parallel instance has stopped; create a new one")
+        try:
+            send_plan(self.ranks.context.world, plan)
+            return self.runner.execute(plan)
+        except BaseException as e:
+            raise self.ranks.failure(e) from e
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
+                 source: str, layout: dict) -> None:
+    """A follower rank's whole life: load, shard, then run every broadcast plan until `None`."""
+    checkpoint = load_checkpoint(source, layout["dtype"])
+    store.set(f"ready/{rank}", "1")
+    ctx = connect(store, rank, parallel, timeout=timeout)
+    runner = build_runner(checkpoint, ctx, **layout)
+    while (plan := receive_plan(ctx.world)) is not None:
+        runner.execute(plan)

@@ -1,0 +1,147 @@
+"""Tensor parallelism applied to a built `Transformer` from outside (gpt-fast style).
+
+Column-parallel: the fused qkv projection (by query heads and the KV heads they
+read) and gate/up (by intermediate rows). Row-parallel: o_proj and down_proj,
+whose partial outputs are summed by `all_reduce` (flat/tree/ring by size) in a
+forward hook — the one place the collective happens. Vocab-parallel embedding
+(rows of the table; out-of-range ids contribute zero, then all-reduce) and LM
+head (local logits, then all-gather). Without expert parallelism, MoE experts are
+split along their intermediate dimension like a dense MLP.
+
+Heads need not divide evenly: each rank takes a contiguous, balanced range of
+query heads and the contiguous range of KV heads they use, so a KV head is
+replicated on every rank whose query heads need it (SmolLM2: 9 heads, 3 KV heads,
+tp=2 -> heads 0-3 with KV 0-1, heads 4-8 with KV 1-2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model import Attention, DenseMLP, Transformer
+from engine.moe import SparseMoE
+from engine.parallel.allreduce import all_reduce
+from engine.parallel.context import ParallelContext
+
+
+def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when `size` items are cut into `parts` balanced contiguous ranges."""
+    return index * size // parts, (index + 1) * size // parts
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    q_heads: tuple[int, int]  # [start, end) of global query heads
+    kv_heads: tuple[int, int]  # [start, end) of global KV heads those query heads read
+
+    def kv_head_map(self, cfg: ModelConfig) -> list[int]:
+        """Local KV head of each local query head."""
+        group = cfg.num_heads // cfg.num_kv_heads
+        return [h // group - self.kv_heads[0] for h in range(*self.q_heads)]
+
+
+def head_shard(cfg: ModelConfig, tp: int, rank: int) -> HeadShard:
+    q0, q1 = split_range(cfg.num_heads, tp, rank)
+    group = cfg.num_heads // cfg.num_kv_heads
+    return HeadShard((q0, q1), (q0 // group, (q1 - 1) // group + 1))
+
+
+def max_kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    return max(s.kv_heads[1] - s.kv_heads[0] for s in (head_shard(cfg, tp, r) for r in range(tp)))
+
+
+def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: bool) -> None:
+    """Shard `model` in place for this rank; experts too unless expert parallelism holds them."""
+    group, tp, rank = ctx.tp_group, ctx.config.tp, ctx.tp_rank
+    cfg = model.config
+    reduce = _all_reduce_output(group)
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, cfg, head_shard(cfg, tp, rank))
+        layer.self_attn.o_proj.register_forward_hook(reduce)
+        mlp = layer.mlp
+        if isinstance(mlp, DenseMLP):
+            _shard_dense_mlp(mlp, tp, rank)
+            mlp.down_proj.register_forward_hook(reduce)
+        elif isinstance(mlp, SparseMoE) and shard_experts:
+            i0, i1 = split_range(cfg.moe_intermediate_size, tp, rank)
+            inter = cfg.moe_intermediate_size
+            mlp.w_gate_up = nn.Parameter(torch.cat([mlp.w_gate_up[:, i0:i1], mlp.w_gate_up[:, inter + i0:inter + i1]], 1),
+                                         requires_grad=False)  # [E, 2I/tp, D]
+            mlp.w_down = nn.Parameter(mlp.w_down[:, :, i0:i1].clone(), requires_grad=False)  # [E, D, I/tp]
+            mlp.register_forward_hook(reduce)
+    v0, v1 = split_range(cfg.vocab_size, tp, rank)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    embed_rows = model.embed_tokens.weight[v0:v1].clone()  # [V/tp, D]
+    head_rows = embed_rows if tied else model.lm_head.weight[v0:v1].clone()
+    model.embed_tokens = VocabParallelEmbedding(embed_rows, v0, group)
+    model.lm_head = VocabParallelLMHead(head_rows, cfg.vocab_size, group)
+
+
+def _all_reduce_output(group):
+    def hook(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return all_reduce(output, group)
+
+    return hook
+
+
+def _shard_attention(attn: Attention, cfg: ModelConfig, shard: HeadShard) -> None:
+    d = cfg.head_dim
+    (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    rows = torch.cat([torch.arange(q0 * d, q1 * d),
+                      q_size + torch.arange(k0 * d, k1 * d),
+                      q_size + kv_size + torch.arange(k0 * d, k1 * d)])
+    attn.qkv_proj.weight = nn.Parameter(attn.qkv_proj.weight[rows], requires_grad=False)  # [(q+2kv)/tp, D]
+    if attn.qkv_proj.bias is not None:
+        attn.qkv_proj.bias = nn.Parameter(attn.qkv_proj.bias[rows], requires_grad=False)
+    attn.o_proj.weight = nn.Parameter(attn.o_proj.weight[:, q0 * d:q1 * d].clone(), requires_grad=False)  # [D, q/tp]
+    attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
+    attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    local_map = shard.kv_head_map(cfg)
+    plain_gqa = attn.num_heads % attn.num_kv_heads == 0 and local_map == [
+        h // (attn.num_heads // attn.num_kv_heads) for h in range(attn.num_heads)]
+    attn.kv_head_map = None if plain_gqa else torch.tensor(local_map, device=attn.qkv_proj.weight.device)
+
+
+def _shard_dense_mlp(mlp: DenseMLP, tp: int, rank: int) -> None:
+    gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
+    inter = down.shape[1]
+    i0, i1 = split_range(inter, tp, rank)
+    mlp.gate_up_proj.weight = nn.Parameter(torch.cat([gate_up[i0:i1], gate_up[inter + i0:inter + i1]]),
+                                           requires_grad=False)  # [2I/tp, D]
+    mlp.down_proj.weight = nn.Parameter(down[:, i0:i1].clone(), requires_grad=False)  # [D, I/tp]
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, rows: torch.Tensor, first_id: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(rows, requires_grad=False)  # [V_local, D]
+        self.first_id, self.group = first_id, group
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        local = token_ids - self.first_id
+        held = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * held[:, None].to(self.weight.dtype)
+        return all_reduce(x, self.group)  # [T, D]
+
+
+class VocabParallelLMHead(nn.Module):
+    def __init__(self, rows: torch.Tensor, vocab_size: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(rows, requires_grad=False)  # [V_local, D]
+        self.vocab_size, self.group = vocab_size, group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        world = self.group.size()
+        widths = [split_range(self.vocab_size, world, r) for r in range(world)]
+        widest = max(end - start for start, end in widths)
+        local = F.linear(hidden, self.weight)  # [N, V_local]
+        padded = F.pad(local, (0, widest - local.shape[1])).contiguous()  # [N, widest]
+        gathered = padded.new_empty((world, *padded.shape))  # [W, N, widest]
+        self.group._allgather_base(gathered.view(-1), padded.view(-1)).wait()
+        return torch.cat([gathered[r, :, : end - start] for r, (start, end) in enumerate(widths)], dim=1)  # [N, V]

@@ -1,0 +1,51 @@
+"""What one engine step computes, as plain data: the message rank 0 broadcasts to its followers.
+
+A `StepPlan` is built from the scheduler's chunks and holds everything a rank
+needs to run the model for that step (token ids, positions, KV block tables,
+which rows are sampled) and nothing it does not (no sequences, no sampling
+parameters). Single-token chunks come first, in a stable order, so that decode
+rows share one batched attention call; the logits the runner returns follow
+`sampling_indices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    token_ids: tuple[int, ...]  # the chunk's tokens
+    start: int  # position of the first one (= tokens of the sequence already in the cache)
+    block_table: tuple[int, ...]  # the sequence's KV blocks
+    samples: bool  # a token is drawn from the chunk's last row
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    chunks: tuple[ChunkPlan, ...]  # decodes (one token) first
+
+    @property
+    def sampling_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.chunks) if c.samples)
+
+
+def plan_step(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[ScheduledChunk]]:
+    """The plan, and the scheduled chunks in plan order (to match logits rows back to sequences)."""
+    ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
+    plan = StepPlan(tuple(
+        ChunkPlan(tuple(c.seq.token_ids[c.start:c.end]), c.start, tuple(c.seq.block_table[: -(-c.end // block_size)]),
+                  c.samples)
+        for c in ordered
+    ))
+    return plan, ordered
