@@ -60,9 +60,9 @@ class CompletionDelta:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
-                 tp: int = 1, cp: int = 1, ep: int = 1, **engine_options) -> None:
+                 tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto", **engine_options) -> None:
         config = EngineConfig(dtype=dtype, device=device, **engine_options)
-        parallel = ParallelConfig(tp=tp, cp=cp, ep=ep)
+        parallel = ParallelConfig(tp=tp, cp=cp, ep=ep, cp_method=cp_method)
         checkpoint = load_checkpoint(model, config.torch_dtype)
         self.engine = EngineCore(checkpoint, config, parallel)
         self.tokenizer = self.engine.tokenizer

@@ -62,4 +62,8 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     parallelize(model, ctx)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)
+    if ctx.config.cp > 1:
+        from engine.parallel.cp_runner import ContextParallelRunner  # it builds on this module
+
+        return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
     return ModelRunner(model, kv_cache, block_size, torch.device(device))

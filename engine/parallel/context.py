@@ -28,8 +28,15 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_method: str = "auto"  # "auto" (the paper's heuristic), "pass_kv" or "pass_q"
+    # Inputs of the pass-KV/pass-Q heuristic: one rank's attention FLOP/s and the CP link's bytes/s.
+    # The defaults are a CPU rank and loopback gloo; an H100 with NVLink is ~8e14 and ~4.5e11.
+    cp_peak_flops: float = 1e11
+    cp_bandwidth: float = 2e9
 
     def __post_init__(self) -> None:
+        if self.cp_method not in ("auto", "pass_kv", "pass_q"):
+            raise ValueError(f"cp_method must be 'auto', 'pass_kv' or 'pass_q', got {self.cp_method!r}")
         for axis in ("tp", "cp", "ep"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis} must be >= 1, got {getattr(self, axis)}")

@@ -1,0 +1,164 @@
+"""A model runner for one rank of a context-parallel group.
+
+It runs the same `StepPlan` as every other rank but builds its own flat batch:
+all decode rows (replicated: each rank merges the partial attention of all) and,
+of each prefill chunk, only its load-balanced shard (`shard_tokens`). It decides
+who stores each new token's KV (prefill: the shard's rank; decode: position mod
+N), keeps which cache slots it owns, and builds the `CPAttentionMetadata` the
+ring attention needs, once per step. Pass-KV or pass-Q is chosen per prefill
+chunk (`ParallelConfig.cp_method`, "auto" = the paper's heuristic) and recorded
+in `choices`. The sampled rows are summed over the group (only their owner
+contributes), and rank 0 computes the logits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model import Transformer
+from engine.parallel.context import ParallelContext
+from engine.parallel.cp_attention import PAD_POSITION, CPAttentionMetadata, CPSpan, context_parallel_attention
+from engine.parallel.cp_choice import CPChoice, CPMethod, choose_cp_method
+from engine.parallel.cp_shard import shard_tokens
+from engine.runner import ModelRunner
+from engine.step_plan import ChunkPlan, StepPlan
+
+
+class ContextParallelRunner(ModelRunner):
+    def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device,
+                 ctx: ParallelContext) -> None:
+        super().__init__(model, kv_cache, block_size, device)
+        self.group, self.rank, self.world = ctx.cp_group, ctx.cp_rank, ctx.config.cp
+        self.parallel = ctx.config
+        self.owned = torch.zeros(kv_cache[0][0].shape[0] * block_size, dtype=torch.bool, device=device)
+        self.choices: Counter[CPMethod] = Counter()  # prefill chunks run by each method
+        self.last_choices: list[CPChoice] = []
+        for layer in model.layers:
+            layer.self_attn.attend = context_parallel_attention
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        self._record_ownership(plan)
+        bs, dev = self.block_size, self.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        write_rows, write_slots = [], []
+        decode_tables, decode_lens, spans = [], [], []
+        sample_rows: list[int | None] = []  # local row of each sampled token, None when another rank holds it
+        self.last_choices = []
+        for chunk in plan.chunks:
+            table = chunk.block_table
+            first_row = len(token_ids)
+            if chunk.num_tokens == 1:
+                offsets = [0]
+                if chunk.start % self.world == self.rank:
+                    write_rows.append(first_row)
+                    write_slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
+                decode_tables.append(list(table))
+                decode_lens.append(chunk.end)
+                last_row = first_row if self.rank == 0 else None
+            else:
+                shard = shard_tokens(chunk.num_tokens, self.world)[self.rank]
+                offsets = [t for start, end in shard.ranges for t in range(start, end)]
+                write_rows += range(first_row, first_row + len(offsets))
+                write_slots += [table[p // bs] * bs + p % bs for p in shard.positions(chunk.start)]
+                spans.append(self._span(chunk, slice(first_row, first_row + len(offsets))))
+                last = chunk.num_tokens - 1
+                last_row = first_row + offsets.index(last) if last in offsets else None
+            token_ids += [chunk.token_ids[t] for t in offsets]
+            positions += [chunk.start + t for t in offsets]
+            if chunk.samples:
+                sample_rows.append(last_row)
+        meta = CPAttentionMetadata(
+            group=self.group,
+            write_rows=torch.tensor(write_rows, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
+            num_decode=len(decode_tables),
+            decode_block_tables=self._padded_tables(decode_tables),
+            decode_mask=self._decode_mask(decode_tables, decode_lens),
+            spans=tuple(spans),
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids, pos, self.kv_cache, meta)  # [T_local, D]
+        sampled = hidden.new_zeros((len(sample_rows), hidden.shape[1]))  # [S, D]
+        for i, row in enumerate(sample_rows):
+            if row is not None:
+                sampled[i] = hidden[row]
+        self.group.allreduce([sampled]).wait()  # one rank holds each row; the others add zeros
+        return self.model.compute_logits(sampled)  # [S, V]
+
+    def _record_ownership(self, plan: StepPlan) -> None:
+        """Mark the slots of this step's new tokens as owned here or elsewhere (before any layer writes)."""
+        bs, slots, mine = self.block_size, [], []
+        for chunk in plan.chunks:
+            slots += [chunk.block_table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
+            if chunk.num_tokens == 1:
+                mine.append(chunk.start % self.world == self.rank)
+            else:
+                held = set(shard_tokens(chunk.num_tokens, self.world)[self.rank].positions())
+                mine += [t in held for t in range(chunk.num_tokens)]
+        self.owned[torch.tensor(slots, dtype=torch.long)] = torch.tensor(mine, dtype=torch.bool)
+
+    def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
+    def _decode_mask(self, tables: list[list[int]], lens: list[int]) -> torch.Tensor | None:
+        padded = self._padded_tables(tables)
+        if padded is None:
+            return None
+        bs = self.block_size
+        slots = (padded[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)  # [B, L]
+        in_context = torch.arange(slots.shape[1], device=self.device)[None, :] < torch.tensor(lens)[:, None]
+        return (in_context & self.owned[slots])[:, None, None, :]  # [B, 1, 1, L]
+
+    def _span(self, chunk: ChunkPlan, rows: slice) -> CPSpan:
+        bs, dev, world = self.block_size, self.device, self.world
+        prefix = torch.arange(chunk.start, device=dev)
+        table = torch.tensor(chunk.block_table, dtype=torch.long, device=dev)
+        prefix_slots = table[prefix // bs] * bs + prefix % bs  # [start]
+        held = self.owned[prefix_slots]
+        cached_slots, cached_pos = prefix_slots[held], prefix[held]  # [c]
+        shards = shard_tokens(chunk.num_tokens, world)
+        q_pos = [torch.tensor(s.positions(chunk.start), dtype=torch.long, device=dev) for s in shards]
+        my_q, my_kv = q_pos[self.rank], torch.cat([cached_pos, q_pos[self.rank]])  # [n], [c + n]
+        choice = self._choose(chunk)
+        kv_masks, q_masks, kv_len, q_len = (), (), 0, 0
+        if choice.method is CPMethod.PASS_KV:
+            every_kv = self._all_gather_positions(my_kv)  # [W, L]
+            kv_len = every_kv.shape[1]
+            kv_masks = tuple(my_q[:, None] >= every_kv[j][None, :] for j in range(world))  # [n, L] each
+        else:
+            q_len = max(len(p) for p in q_pos)
+            padded = [torch.cat([p, p.new_full((q_len - len(p),), -1)]) for p in q_pos]  # -1 sees no key
+            q_masks = tuple(p[:, None] >= my_kv[None, :] for p in padded)  # [n_max, c + n] each
+        self.choices[choice.method] += 1
+        self.last_choices.append(choice)
+        return CPSpan(rows=rows, cached_slots=cached_slots, choice=choice, kv_masks=kv_masks, q_masks=q_masks,
+                      kv_len=kv_len, q_len=q_len)
+
+    def _choose(self, chunk: ChunkPlan) -> CPChoice:
+        forced = self.parallel.cp_method
+        if forced != "auto":
+            return CPChoice(method=CPMethod(forced), reason=f"forced by cp_method={forced}")
+        cfg = self.model.config
+        return choose_cp_method(new_tokens=chunk.num_tokens, cached_tokens=chunk.start, cp_size=self.world,
+                                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                peak_flops=self.parallel.cp_peak_flops, bandwidth=self.parallel.cp_bandwidth,
+                                bytes_per_element=self.kv_cache[0][0].element_size())
+
+    def _all_gather_positions(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's key positions, padded to the longest with PAD_POSITION: [W, L]."""
+        lengths = torch.empty(self.world, dtype=torch.long)
+        self.group._allgather_base(lengths, torch.tensor([len(mine)])).wait()
+        longest = int(lengths.max())
+        padded = torch.cat([mine, mine.new_full((longest - len(mine),), PAD_POSITION)])
+        gathered = padded.new_empty(self.world * longest)
+        self.group._allgather_base(gathered, padded).wait()
+        return gathered.view(self.world, longest)
