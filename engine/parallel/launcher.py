@@ -95,14 +95,16 @@ class RankGroup:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        errors = []
+        errors, tracebacks = [], []
         for rank, p in enumerate(self.processes, start=1):
             if self.store.check([f"error/{rank}"]):
-                errors.append(f"rank {rank} failed: {self.store.get(f'error/{rank}').decode().strip()}")
+                text = self.store.get(f"error/{rank}").decode().strip()
+                errors.append(f"rank {rank} failed: {text.splitlines()[-1]}")
+                tracebacks.append(f"--- rank {rank} ---\n{text}")
             elif p.returncode not in (None, 0):
                 errors.append(f"rank {rank} exited with code {p.returncode}")
         self.close()
-        return ParallelError("\n".join(errors) or f"rank 0 failed: {cause!r}")
+        return ParallelError("\n".join(errors + tracebacks) or f"rank 0 failed: {cause!r}")
 
     def close(self) -> None:
         """Stop the children (asking them first when the group is healthy); safe to call twice."""
