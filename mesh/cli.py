@@ -42,17 +42,25 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
+    cp_method: str = typer.Option("auto", help="auto | pass_kv | pass_q: how CP prefill attends."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object with ids, usage and timings last."),
 ) -> None:
     """Generate text for PROMPT, streaming it as it is produced."""
     from engine import LLM, SamplingParams
+    from engine.parallel.launcher import ParallelError
 
     if not prompt:
         _fail("prompt must not be empty")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, ignore_eos=ignore_eos)
-        llm = LLM(model, dtype=dtype)
+        llm = LLM(model, dtype=dtype, tp=tp, cp=cp, ep=ep, cp_method=cp_method)
+    except ValueError as e:  # every engine input error (params, request, weights, config, layout) is a ValueError
+        _fail(str(e))
+    try:
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else llm.tokenizer.encode(prompt)
         start = time.monotonic()
         first = None
@@ -66,8 +74,13 @@ def generate(
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         end = time.monotonic()
-    except ValueError as e:  # every engine input error (params, request, weights, config) is a ValueError
+    except ValueError as e:
         _fail(str(e))
+    except ParallelError as e:  # a rank of a parallel engine failed: its first line, exit 1
+        typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
+        raise typer.Exit(code=1)
+    finally:
+        llm.close()
     sys.stdout.write("\n")
     if as_json:
         ttft = (first or end) - start

@@ -31,6 +31,22 @@ def test_generate_json_reports_ids_usage_and_timings(tiny_checkpoint):
     assert set(result["timings"]) == {"ttft_s", "tokens_per_s"}
 
 
+def test_generate_over_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    common = ("generate", "hello world", "--model", str(folder), "--max-tokens", "6", "--ignore-eos",
+              "--dtype", "float32", "--json")
+    single, parallel = run(*common), run(*common, "--tp", "2")
+    assert parallel.returncode == 0, parallel.stderr
+    assert json.loads(parallel.stdout.splitlines()[-1])["token_ids"] == json.loads(single.stdout.splitlines()[-1])["token_ids"]
+
+
+def test_a_layout_that_does_not_fit_exits_2_naming_the_factors(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    proc = run("generate", "hi", "--model", str(folder), "--tp", "5")
+    assert proc.returncode == 2
+    assert "tp=5 exceeds num_heads=4" in proc.stderr and "intermediate_size=96 is not divisible by tp=5" in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "error: temperature must be >= 0, got -1.0"),
     (["--top-p", "0"], r"error: top_p must be in (0, 1], got 0.0"),
