@@ -34,6 +34,7 @@ class AttentionMetadata:
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decode] int32 (the CUDA kernel's mask)
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -48,11 +49,11 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Tensors and masks for one step; decode rows come first in the flat batch."""
     num_decode = len(decode_block_tables)
-    tables = mask = None
+    tables = mask = lens = None
     if num_decode:
         width = max(len(t) for t in decode_block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_block_tables], dtype=torch.long, device=device)
-        lens = torch.tensor(decode_context_lens, device=device)
+        lens = torch.tensor(decode_context_lens, dtype=torch.int32, device=device)
         mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
     spans, start = [], num_decode
     for num_tokens, context_len, table in prefill_chunks:
@@ -70,6 +71,7 @@ def build_metadata(
         num_decode=num_decode,
         decode_block_tables=tables,
         decode_mask=mask,
+        decode_context_lens=lens,
         prefills=tuple(spans),
     )
 
@@ -89,7 +91,13 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     outputs = []
-    if meta.num_decode:
+    if meta.num_decode and q.is_cuda and kv_head_map is None:
+        from engine.kernels.paged_decode import paged_decode_attention  # Triton: CUDA only
+
+        od, _ = paged_decode_attention(q[: meta.num_decode].contiguous(), k_cache, v_cache,
+                                       meta.decode_block_tables.to(torch.int32), meta.decode_context_lens, scale)
+        outputs.append(od)  # [B, Hq, D]
+    elif meta.num_decode:
         tables = meta.decode_block_tables
         kd = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[tables].flatten(1, 2).transpose(1, 2)

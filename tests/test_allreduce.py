@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.allreduce import AllReduceAlgorithm, AllReduceThresholds, all_reduce, choose_algorithm
+from engine.parallel.allreduce import (AllReduceAlgorithm, AllReducer, AllReduceThresholds, all_reduce,
+                                       choose_algorithm)
 from engine.parallel.groups import rendezvous, stateless_group
 
 
@@ -34,6 +35,10 @@ def all_algorithms_worker(rank: int, world: int, port: int) -> None:
     t = torch.ones(3, 5) * rank
     all_reduce(t, group)  # chosen by size
     assert torch.equal(t, torch.full((3, 5), float(sum(range(world)))))
+    reducer = AllReducer(group, AllReduceThresholds(flat_max_bytes=64, tree_max_bytes=1024))  # CPU: no symmetric memory
+    for numel in (8, 100, 1000):  # flat, tree, ring by size
+        t = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        assert torch.equal(reducer(t), torch.arange(numel, dtype=torch.float32) * sum(range(1, world + 1)))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,3 +24,18 @@ def test_parallel_bench_runs():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| 4096 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_parallel_engine_bench_runs():
+    proc = subprocess.run([sys.executable, str(BENCH / "parallel_engine.py"), "--quick"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| CP=2 (pass_kv) |" in proc.stdout and "| TP=2 |" in proc.stdout and "| 16 |" in proc.stdout
+
+
+def test_kernel_bench_runs():
+    proc = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--quick"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| paged decode attention |" in proc.stdout and "| MoE combine (top-2) |" in proc.stdout

@@ -70,3 +70,58 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, algorithm: AllRed
     if reduced.data_ptr() != tensor.data_ptr():
         tensor.copy_(reduced.view_as(tensor))
     return tensor
+
+
+class AllReducer:
+    """`all_reduce` bound to a group, its thresholds and a device.
+
+    On CUDA, when torch's symmetric memory is available, FLAT and TREE run as its
+    one-shot and two-shot kernels (each rank reads its peers' buffers over NVLink)
+    on a buffer registered once, as Meta's DDA does; otherwise the algorithms above.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, thresholds: AllReduceThresholds = AllReduceThresholds(),
+                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> None:
+        self.group, self.thresholds = group, thresholds
+        self.symmetric = _SymmetricBuffer.create(group, thresholds, device, dtype) if device.type == "cuda" else None
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is None or self.group.size() == 1:
+            return tensor
+        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), self.thresholds)
+        if self.symmetric is not None and algorithm is not AllReduceAlgorithm.RING and tensor.dtype == self.symmetric.dtype:
+            return self.symmetric.all_reduce(tensor, algorithm)
+        return all_reduce(tensor, self.group, algorithm)
+
+
+@dataclass(frozen=True, slots=True)
+class _SymmetricBuffer:
+    name: str
+    buffer: torch.Tensor  # symmetric memory, tree_max_bytes long
+    dtype: torch.dtype
+
+    @classmethod
+    def create(cls, group, thresholds: AllReduceThresholds, device: torch.device, dtype: torch.dtype):
+        """None when symmetric memory is not usable here (no NVLink P2P, an older torch): the caller falls back."""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            from torch._C._distributed_c10d import _register_process_group
+
+            name = f"infermesh-allreduce-{id(group)}"
+            _register_process_group(name, group)  # symmetric memory finds its group by name
+            numel = max(1, thresholds.tree_max_bytes // torch.tensor([], dtype=dtype).element_size())
+            buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+            symm_mem.rendezvous(buffer, name)
+            return cls(name, buffer, dtype)
+        except (ImportError, RuntimeError, AttributeError):
+            return None
+
+    def all_reduce(self, tensor: torch.Tensor, algorithm: AllReduceAlgorithm) -> torch.Tensor:
+        staged = self.buffer[: tensor.numel()]
+        staged.copy_(tensor.reshape(-1))
+        if algorithm is AllReduceAlgorithm.FLAT:
+            reduced = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.name)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.name)
+            reduced = staged
+        return tensor.copy_(reduced.view_as(tensor))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.parallel.allreduce import AllReduceThresholds
 from engine.parallel.groups import DEFAULT_TIMEOUT, stateless_group
 
 
@@ -33,6 +34,7 @@ class ParallelConfig:
     # The defaults are a CPU rank and loopback gloo; an H100 with NVLink is ~8e14 and ~4.5e11.
     cp_peak_flops: float = 1e11
     cp_bandwidth: float = 2e9
+    all_reduce: AllReduceThresholds = AllReduceThresholds()  # TP's flat/tree/ring crossovers
 
     def __post_init__(self) -> None:
         if self.cp_method not in ("auto", "pass_kv", "pass_q"):

@@ -51,6 +51,10 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """outputs [S, T, H, D], lses [S, T, H] -> (O [T, H, D], LSE [T, H])."""
+    if outputs.is_cuda:
+        from engine.kernels.lse_merge import merge_lse  # Triton: CUDA only
+
+        return merge_lse(outputs.float(), lses.float())
     lse_max = lses.max(dim=0).values  # [T, H]
     finite_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
     weights = torch.exp(lses - finite_max)  # [S, T, H]; exp(-inf) = 0

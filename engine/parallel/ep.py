@@ -76,15 +76,13 @@ class ExpertParallelMoE(nn.Module):
         arriving = arriving.view(world, self.num_local)  # rows from each source rank for each local expert
         send_splits = [int(c.sum()) for c in per_expert.split(self.experts_per_rank)]
         recv_splits = arriving.sum(1).tolist()
-        rows = all_to_all(self.group, x[order // top_k], send_splits, recv_splits)  # [n, D]
+        rows = all_to_all(self.group, _permute(x, order // top_k), send_splits, recv_splits)  # [n, D]
         local_ids = torch.repeat_interleave(torch.arange(self.num_local).repeat(world), arriving.flatten())  # [n]
         self.tokens_per_expert += arriving.sum(0)
         computed = experts_forward(rows, torch.ones(len(rows), 1), local_ids[:, None] + self.first_expert,
                                    self.w_gate_up, self.w_down, self.first_expert)  # [n, D]
         back = all_to_all(self.group, computed, recv_splits, send_splits)  # [t*k, D], in `order`
-        slots = torch.empty_like(back)
-        slots[order] = back
-        return (slots.view(-1, top_k, x.shape[1]) * weights[..., None].to(x.dtype)).sum(1)  # [t, D]
+        return _unpermute_and_weight(back, order, weights)  # [t, D]
 
     def _gather_shares(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
         world = self.group.size()
@@ -94,6 +92,28 @@ class ExpertParallelMoE(nn.Module):
         gathered = padded.new_empty((world, *padded.shape))  # [W, widest, D]
         self.group._allgather_base(gathered.view(-1), padded.view(-1)).wait()
         return torch.cat([gathered[r, : end - start] for r, (start, end) in enumerate(shares)])  # [T, D]
+
+
+def _permute(x: torch.Tensor, source_rows: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from engine.kernels.moe_permute import permute_rows  # Triton: CUDA only
+
+        return permute_rows(x, source_rows)
+    return x[source_rows]
+
+
+def _unpermute_and_weight(back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """back [t*k, D] in `order` -> Σ_j weights[t, j] · result of (t, j): [t, D]."""
+    top_k = weights.shape[1]
+    if back.is_cuda:
+        from engine.kernels.moe_permute import combine_rows  # Triton: CUDA only
+
+        slot_rows = torch.empty_like(order)
+        slot_rows[order] = torch.arange(len(order), device=order.device)
+        return combine_rows(back, slot_rows.view(-1, top_k), weights)
+    slots = torch.empty_like(back)
+    slots[order] = back
+    return (slots.view(-1, top_k, back.shape[1]) * weights[..., None].to(back.dtype)).sum(1)
 
 
 def shard_for_ep(model: nn.Module, ctx: ParallelContext) -> None:

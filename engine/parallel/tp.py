@@ -2,8 +2,8 @@
 
 Column-parallel: the fused qkv projection (by query heads and the KV heads they
 read) and gate/up (by intermediate rows). Row-parallel: o_proj and down_proj,
-whose partial outputs are summed by `all_reduce` (flat/tree/ring by size) in a
-forward hook — the one place the collective happens. Vocab-parallel embedding
+whose partial outputs are summed by an `AllReducer` (flat/tree/ring by size,
+symmetric-memory one-shot/two-shot on CUDA) in a forward hook — the one place the collective happens. Vocab-parallel embedding
 (rows of the table; out-of-range ids contribute zero, then all-reduce) and LM
 head (local logits, then all-gather). Without expert parallelism, MoE experts are
 split along their intermediate dimension like a dense MLP.
@@ -25,7 +25,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model import Attention, DenseMLP, Transformer
 from engine.moe import SparseMoE
-from engine.parallel.allreduce import all_reduce
+from engine.parallel.allreduce import AllReducer
 from engine.parallel.context import ParallelContext
 
 
@@ -59,7 +59,9 @@ def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: boo
     """Shard `model` in place for this rank; experts too unless expert parallelism holds them."""
     group, tp, rank = ctx.tp_group, ctx.config.tp, ctx.tp_rank
     cfg = model.config
-    reduce = _all_reduce_output(group)
+    weight = model.embed_tokens.weight
+    reducer = AllReducer(group, ctx.config.all_reduce, weight.device, weight.dtype)
+    reduce = _all_reduce_output(reducer)
     for layer in model.layers:
         _shard_attention(layer.self_attn, cfg, head_shard(cfg, tp, rank))
         layer.self_attn.o_proj.register_forward_hook(reduce)
@@ -78,13 +80,13 @@ def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: boo
     tied = model.lm_head.weight is model.embed_tokens.weight
     embed_rows = model.embed_tokens.weight[v0:v1].clone()  # [V/tp, D]
     head_rows = embed_rows if tied else model.lm_head.weight[v0:v1].clone()
-    model.embed_tokens = VocabParallelEmbedding(embed_rows, v0, group)
+    model.embed_tokens = VocabParallelEmbedding(embed_rows, v0, reducer)
     model.lm_head = VocabParallelLMHead(head_rows, cfg.vocab_size, group)
 
 
-def _all_reduce_output(group):
+def _all_reduce_output(reducer: AllReducer):
     def hook(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
-        return all_reduce(output, group)
+        return reducer(output)
 
     return hook
 
@@ -118,16 +120,16 @@ def _shard_dense_mlp(mlp: DenseMLP, tp: int, rank: int) -> None:
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, rows: torch.Tensor, first_id: int, group) -> None:
+    def __init__(self, rows: torch.Tensor, first_id: int, reducer: AllReducer) -> None:
         super().__init__()
         self.weight = nn.Parameter(rows, requires_grad=False)  # [V_local, D]
-        self.first_id, self.group = first_id, group
+        self.first_id, self.reduce = first_id, reducer
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.first_id
         held = (local >= 0) & (local < self.weight.shape[0])
         x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * held[:, None].to(self.weight.dtype)
-        return all_reduce(x, self.group)  # [T, D]
+        return self.reduce(x)  # [T, D]
 
 
 class VocabParallelLMHead(nn.Module):
