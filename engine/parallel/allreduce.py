@@ -6,8 +6,9 @@
   two steps; mid sizes.
 - RING: the backend's own all_reduce; large messages.
 
-Meta's thresholds on MI300X (flat <= 200 KB, tree <= 29 MB) are the defaults; the
-crossover on a given machine is measured by bench/parallel.py. Every algorithm
+Meta's thresholds on MI300X (flat <= 200 KB, tree <= 29 MB) are the defaults on
+GPUs; on CPU/gloo the measured crossover (bench/parallel.py) is: flat up to
+256 KB, then ring. Every algorithm
 reduces in rank order where it reduces locally, so all ranks hold identical sums.
 """
 
@@ -34,6 +35,15 @@ class AllReduceThresholds:
     def __post_init__(self) -> None:
         if not 0 <= self.flat_max_bytes <= self.tree_max_bytes:
             raise ValueError(f"need 0 <= flat_max_bytes ({self.flat_max_bytes}) <= tree_max_bytes ({self.tree_max_bytes})")
+
+
+# Measured on gloo over loopback (bench/RESULTS.md): flat wins up to ~256 KB, the backend ring above; tree never.
+GLOO_THRESHOLDS = AllReduceThresholds(flat_max_bytes=256 * 1024, tree_max_bytes=256 * 1024)
+
+
+def default_thresholds(device: torch.device) -> AllReduceThresholds:
+    """Meta's DDA thresholds on GPUs; the measured gloo crossover on CPU."""
+    return AllReduceThresholds() if device.type == "cuda" else GLOO_THRESHOLDS
 
 
 def choose_algorithm(num_bytes: int, thresholds: AllReduceThresholds = AllReduceThresholds()) -> AllReduceAlgorithm:

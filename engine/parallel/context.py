@@ -34,7 +34,7 @@ class ParallelConfig:
     # The defaults are a CPU rank and loopback gloo; an H100 with NVLink is ~8e14 and ~4.5e11.
     cp_peak_flops: float = 1e11
     cp_bandwidth: float = 2e9
-    all_reduce: AllReduceThresholds = AllReduceThresholds()  # TP's flat/tree/ring crossovers
+    all_reduce: AllReduceThresholds | None = None  # TP's flat/tree/ring crossovers; None: the device's default
 
     def __post_init__(self) -> None:
         if self.cp_method not in ("auto", "pass_kv", "pass_q"):

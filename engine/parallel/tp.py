@@ -25,7 +25,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model import Attention, DenseMLP, Transformer
 from engine.moe import SparseMoE
-from engine.parallel.allreduce import AllReducer
+from engine.parallel.allreduce import AllReducer, default_thresholds
 from engine.parallel.context import ParallelContext
 
 
@@ -60,7 +60,8 @@ def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: boo
     group, tp, rank = ctx.tp_group, ctx.config.tp, ctx.tp_rank
     cfg = model.config
     weight = model.embed_tokens.weight
-    reducer = AllReducer(group, ctx.config.all_reduce, weight.device, weight.dtype)
+    thresholds = ctx.config.all_reduce or default_thresholds(weight.device)
+    reducer = AllReducer(group, thresholds, weight.device, weight.dtype)
     reduce = _all_reduce_output(reducer)
     for layer in model.layers:
         _shard_attention(layer.self_attn, cfg, head_shard(cfg, tp, rank))
