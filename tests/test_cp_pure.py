@@ -98,3 +98,19 @@ def test_counting_the_all_to_all_lowers_the_miss_rate_bound():
     assert choose_cp_method(count_all_to_all=False, **kwargs).method is CPMethod.PASS_Q
     refined = choose_cp_method(count_all_to_all=True, **kwargs)
     assert refined.method is CPMethod.PASS_KV and "0.0625" in refined.reason
+
+
+def test_segments_name_each_ranks_chunks_in_block_order():
+    from engine.parallel.cp_shard import CACHED, Segment, kv_segments, query_segments
+
+    shards = shard_tokens(10, 2)  # chunks of 3: [0,3) [3,6) [6,9) [9,10)
+    assert query_segments(shards[0]) == (Segment(0, 0, 3), Segment(3, 3, 4))
+    assert query_segments(shards[1]) == (Segment(1, 0, 3), Segment(2, 3, 6))
+    assert kv_segments(5, query_segments(shards[0])) == (Segment(CACHED, 0, 5), Segment(0, 5, 8), Segment(3, 8, 9))
+    assert query_segments(shard_tokens(3, 4)[3]) == ()  # a rank with no new tokens
+
+
+def test_a_query_chunk_sees_earlier_chunks_whole_its_own_causally_and_later_ones_not():
+    from engine.parallel.cp_shard import CACHED, sees
+
+    assert [sees(2, k) for k in (CACHED, 0, 1, 2, 3)] == ["all", "all", "all", "causal", None]

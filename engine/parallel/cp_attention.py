@@ -15,8 +15,11 @@ tokens round-robin by position. A rank attends only over the slots it owns
   the queries travel the ring instead, each rank attends the visiting queries to
   its own KV, and an all-to-all returns every partial (O, LSE) to the query's owner.
 
-Masks are by absolute position (query position >= key position), computed once
-per step for all layers; padding carries a position no query reaches.
+Prefill needs no masks: every block is laid out by chunk of the 2N-chunk order
+(`Segment`s, computed once per step), and a query chunk attends a key chunk
+whole when it comes earlier (or is the cached prefix), causally when it is the
+same chunk, and not at all when it comes later — so each rank does exactly its
+balanced share of the causal work. Decode rows use the ownership mask.
 """
 
 from __future__ import annotations
@@ -25,11 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import for_query_heads
 from engine.parallel.cp_choice import CPChoice, CPMethod
 from engine.parallel.cp_merge import attention_with_lse, merge_partials
-
-PAD_POSITION = 1 << 62  # a key position no query reaches; a query position that sees nothing
+from engine.parallel.cp_shard import Segment, sees
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +40,10 @@ class CPSpan:
     rows: slice  # this rank's new tokens in the flat batch (possibly empty)
     cached_slots: torch.Tensor  # [c] cache slots of the cached prefix this rank owns
     choice: CPChoice
-    # pass-KV: key positions of every rank's block (cached owned + new, padded to equal length)
-    kv_masks: tuple[torch.Tensor, ...]  # per source rank: [n_local, L] bool, my queries x its keys
-    # pass-Q: my KV against every rank's queries (padded to equal length)
-    q_masks: tuple[torch.Tensor, ...]  # per source rank: [n_max, c + n_local] bool, its queries x my keys
-    kv_len: int  # L: padded KV block length (pass-KV)
-    q_len: int  # n_max: padded query block length (pass-Q)
+    query_layouts: tuple[tuple[Segment, ...], ...]  # per rank: its new tokens by chunk
+    kv_layouts: tuple[tuple[Segment, ...], ...]  # per rank: its KV block (cached prefix, then new tokens)
+    kv_len: int  # every rank's KV block padded to this (pass-KV)
+    q_len: int  # every rank's query block padded to this (pass-Q)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +66,16 @@ def context_parallel_attention(q, k, v, k_cache, v_cache, meta: CPAttentionMetad
     flat_v.index_copy_(0, meta.write_slots, v[meta.write_rows])
     group_size = q.shape[1] // num_kv_heads if kv_head_map is None else None
 
-    def heads(kv: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] -> [B, Hq, L, D]
-        return for_query_heads(kv, kv_head_map) if kv_head_map is not None else kv.repeat_interleave(group_size, 1)
+    def heads(kv: torch.Tensor) -> torch.Tensor:  # [..., Hkv, D] -> [..., Hq, D]
+        if kv_head_map is not None:
+            return kv.index_select(-2, kv_head_map)
+        return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=-2)
 
     outputs = []
     if meta.num_decode:
         tables = meta.decode_block_tables
-        kd = heads(k_cache[tables].flatten(1, 2).transpose(1, 2))  # [B, Hq, L, D]
-        vd = heads(v_cache[tables].flatten(1, 2).transpose(1, 2))
+        kd = heads(k_cache[tables].flatten(1, 2)).transpose(1, 2)  # [B, Hq, L, D]
+        vd = heads(v_cache[tables].flatten(1, 2)).transpose(1, 2)
         qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
         o, lse = attention_with_lse(qd, kd, vd, meta.decode_mask, scale)  # [B, Hq, 1, D], [B, Hq, 1]
         outputs.append(_merge_over_ranks(meta.group, o[:, :, 0], lse[:, :, 0]).to(q.dtype))  # [B, Hq, D]
@@ -105,13 +106,38 @@ def _ring_peers(group) -> tuple[int, int]:
     return (rank + 1) % world, (rank - 1) % world
 
 
+def _attend_block(q: torch.Tensor, queries: tuple[Segment, ...], k: torch.Tensor, v: torch.Tensor,
+                  keys: tuple[Segment, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Tq, Hq, D] against k/v [Tk, Hq, D] chunk by chunk: a key chunk before the query chunk is attended
+    whole, the same chunk causally, a later one not at all (no masks: the 2N-chunk layout says it all).
+    -> (O [Tq, Hq, D], LSE [Tq, Hq]) float32; rows outside `queries` get LSE -inf."""
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hq, Tk, D]
+    for qs in queries:
+        q4 = q[qs.start:qs.end].transpose(0, 1)[None]  # [1, Hq, n, D]
+        visible = [(ks, how) for ks in keys if (how := sees(qs.chunk, ks.chunk))]
+        whole = [ks for ks, how in visible if how == "all"]
+        parts = []
+        if whole:  # the segments attended whole are contiguous in the block: one call
+            lo, hi = whole[0].start, whole[-1].end
+            parts.append(attention_with_lse(q4, k4[:, :, lo:hi], v4[:, :, lo:hi], None, scale))
+        for ks, how in visible:
+            if how == "causal":
+                parts.append(attention_with_lse(q4, k4[:, :, ks.start:ks.end], v4[:, :, ks.start:ks.end], None, scale,
+                                                causal=True))
+        if parts:
+            o, l = merge_partials(torch.stack([o[0] for o, _ in parts]), torch.stack([l[0] for _, l in parts]))
+            out[qs.start:qs.end], lse[qs.start:qs.end] = o.transpose(0, 1), l.transpose(0, 1)
+    return out, lse
+
+
 def _pass_kv(group, q, my_k, my_v, span: CPSpan, scale, heads) -> torch.Tensor:
     """q [n, Hq, D]; my_k/my_v [c + n, Hkv, D]. KV blocks travel the ring; returns [n, Hq, D]."""
     rank, world = group.rank(), group.size()
     send_to, recv_from = _ring_peers(group)
     block = torch.stack([my_k, my_v])  # [2, c + n, Hkv, D]
     block = torch.nn.functional.pad(block, (0, 0, 0, 0, 0, span.kv_len - block.shape[1])).contiguous()  # [2, L, Hkv, D]
-    q4 = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     outs, lses = [], []
     for step in range(world):
         pending = []
@@ -119,10 +145,10 @@ def _pass_kv(group, q, my_k, my_v, span: CPSpan, scale, heads) -> torch.Tensor:
             incoming = torch.empty_like(block)
             pending = [group.send([block], send_to, step), group.recv([incoming], recv_from, step)]
         source = (rank - step) % world
-        k4, v4 = heads(block[0].transpose(0, 1)[None]), heads(block[1].transpose(0, 1)[None])  # [1, Hq, L, D]
-        o, lse = attention_with_lse(q4, k4, v4, span.kv_masks[source][None, None], scale)
-        outs.append(o[0].transpose(0, 1))  # [n, Hq, D]
-        lses.append(lse[0].transpose(0, 1))  # [n, Hq]
+        k, v = heads(block[0]), heads(block[1])  # [L, Hq, D]
+        o, lse = _attend_block(q, span.query_layouts[rank], k, v, span.kv_layouts[source], scale)
+        outs.append(o)
+        lses.append(lse)
         for work in pending:
             work.wait()
         if pending:
@@ -137,7 +163,7 @@ def _pass_q(group, q, my_k, my_v, span: CPSpan, scale, heads) -> torch.Tensor:
     send_to, recv_from = _ring_peers(group)
     n, num_heads, head_dim = q.shape
     block = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, span.q_len - n)).contiguous()  # [n_max, Hq, D]
-    k4, v4 = heads(my_k.transpose(0, 1)[None]), heads(my_v.transpose(0, 1)[None])  # [1, Hq, c + n, D]
+    k, v = heads(my_k), heads(my_v)  # [c + n, Hq, D]
     partials = torch.empty((world, span.q_len, num_heads, head_dim + 1))  # per query owner: O and LSE
     for step in range(world):
         pending = []
@@ -145,8 +171,8 @@ def _pass_q(group, q, my_k, my_v, span: CPSpan, scale, heads) -> torch.Tensor:
             incoming = torch.empty_like(block)
             pending = [group.send([block], send_to, step), group.recv([incoming], recv_from, step)]
         source = (rank - step) % world
-        o, lse = attention_with_lse(block.transpose(0, 1)[None], k4, v4, span.q_masks[source][None, None], scale)
-        partials[source] = torch.cat([o[0], lse[0][..., None]], dim=-1).transpose(0, 1)  # [n_max, Hq, D+1]
+        o, lse = _attend_block(block, span.query_layouts[source], k, v, span.kv_layouts[rank], scale)
+        partials[source] = torch.cat([o, lse[..., None]], dim=-1)  # [n_max, Hq, D+1]
         for work in pending:
             work.wait()
         if pending:

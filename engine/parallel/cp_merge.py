@@ -15,24 +15,27 @@ import torch
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, Tq, D], k/v [B, H, Tk, D], mask broadcastable to [B, H, Tq, Tk] bool (True = attend)
-    -> (O [B, H, Tq, D] float32, LSE [B, H, Tq] float32; -inf where a query sees no key)."""
+                       scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Tq, D], k/v [B, H, Tk, D], mask broadcastable to [B, H, Tq, Tk] bool (True = attend), or
+    `causal` (query i sees keys <= i) -> (O [B, H, Tq, D] float32, LSE [B, H, Tq] float32; -inf where a
+    query sees no key)."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     if q.device.type == "cpu":
         # The fused CPU flash kernel returns the LSE SDPA hides (7x faster than the math below at 2k tokens).
         additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive,
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=additive,
                                                                                scale=scale)
         out, lse = out.float(), lse.float()
     else:
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, Tq, Tk]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [B, H, Tq]
         out = torch.matmul(torch.exp(scores - lse.clamp(min=torch.finfo(torch.float32).min)[..., None]), v.float())
-    if mask is not None:  # a query with no visible key: weight 0 in the merge (the kernel reports LSE 0 there)
+    if mask is not None and not causal:  # a query with no visible key: weight 0 in the merge (the kernel says LSE 0)
         sees_a_key = mask.any(dim=-1).expand(lse.shape)
         lse = torch.where(sees_a_key, lse, float("-inf"))
         out = torch.where(sees_a_key[..., None], out, 0.0).nan_to_num(0.0)

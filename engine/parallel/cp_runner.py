@@ -20,9 +20,9 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.parallel.context import ParallelContext
-from engine.parallel.cp_attention import PAD_POSITION, CPAttentionMetadata, CPSpan, context_parallel_attention
+from engine.parallel.cp_attention import CPAttentionMetadata, CPSpan, context_parallel_attention
 from engine.parallel.cp_choice import CPChoice, CPMethod, choose_cp_method
-from engine.parallel.cp_shard import shard_tokens
+from engine.parallel.cp_shard import kv_segments, query_segments, shard_tokens
 from engine.runner import ModelRunner
 from engine.step_plan import ChunkPlan, StepPlan
 
@@ -119,29 +119,21 @@ class ContextParallelRunner(ModelRunner):
         return (in_context & self.owned[slots])[:, None, None, :]  # [B, 1, 1, L]
 
     def _span(self, chunk: ChunkPlan, rows: slice) -> CPSpan:
-        bs, dev, world = self.block_size, self.device, self.world
+        bs, dev = self.block_size, self.device
         prefix = torch.arange(chunk.start, device=dev)
         table = torch.tensor(chunk.block_table, dtype=torch.long, device=dev)
         prefix_slots = table[prefix // bs] * bs + prefix % bs  # [start]
-        held = self.owned[prefix_slots]
-        cached_slots, cached_pos = prefix_slots[held], prefix[held]  # [c]
-        shards = shard_tokens(chunk.num_tokens, world)
-        q_pos = [torch.tensor(s.positions(chunk.start), dtype=torch.long, device=dev) for s in shards]
-        my_q, my_kv = q_pos[self.rank], torch.cat([cached_pos, q_pos[self.rank]])  # [n], [c + n]
+        cached_slots = prefix_slots[self.owned[prefix_slots]]  # [c]: the part of the prefix stored here
+        queries = tuple(query_segments(shard) for shard in shard_tokens(chunk.num_tokens, self.world))
+        cached_counts = torch.empty(self.world, dtype=torch.long)
+        self.group._allgather_base(cached_counts, torch.tensor([len(cached_slots)])).wait()
+        keys = tuple(kv_segments(int(c), q) for c, q in zip(cached_counts, queries))
         choice = self._choose(chunk)
-        kv_masks, q_masks, kv_len, q_len = (), (), 0, 0
-        if choice.method is CPMethod.PASS_KV:
-            every_kv = self._all_gather_positions(my_kv)  # [W, L]
-            kv_len = every_kv.shape[1]
-            kv_masks = tuple(my_q[:, None] >= every_kv[j][None, :] for j in range(world))  # [n, L] each
-        else:
-            q_len = max(len(p) for p in q_pos)
-            padded = [torch.cat([p, p.new_full((q_len - len(p),), -1)]) for p in q_pos]  # -1 sees no key
-            q_masks = tuple(p[:, None] >= my_kv[None, :] for p in padded)  # [n_max, c + n] each
         self.choices[choice.method] += 1
         self.last_choices.append(choice)
-        return CPSpan(rows=rows, cached_slots=cached_slots, choice=choice, kv_masks=kv_masks, q_masks=q_masks,
-                      kv_len=kv_len, q_len=q_len)
+        return CPSpan(rows=rows, cached_slots=cached_slots, choice=choice, query_layouts=queries, kv_layouts=keys,
+                      kv_len=max(k[-1].end if k else 0 for k in keys),
+                      q_len=max(q[-1].end if q else 0 for q in queries))
 
     def _choose(self, chunk: ChunkPlan) -> CPChoice:
         forced = self.parallel.cp_method
@@ -152,13 +144,3 @@ class ContextParallelRunner(ModelRunner):
                                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                 peak_flops=self.parallel.cp_peak_flops, bandwidth=self.parallel.cp_bandwidth,
                                 bytes_per_element=self.kv_cache[0][0].element_size())
-
-    def _all_gather_positions(self, mine: torch.Tensor) -> torch.Tensor:
-        """Every rank's key positions, padded to the longest with PAD_POSITION: [W, L]."""
-        lengths = torch.empty(self.world, dtype=torch.long)
-        self.group._allgather_base(lengths, torch.tensor([len(mine)])).wait()
-        longest = int(lengths.max())
-        padded = torch.cat([mine, mine.new_full((longest - len(mine),), PAD_POSITION)])
-        gathered = padded.new_empty(self.world * longest)
-        self.group._allgather_base(gathered, padded).wait()
-        return gathered.view(self.world, longest)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class CPShard:
     rank: int
+    cp_size: int
     ranges: tuple[tuple[int, int], tuple[int, int]]  # [start, end) of its two chunks, in token order
     padded_len: int  # tokens per rank after padding, equal on every rank
 
@@ -34,4 +35,40 @@ def shard_tokens(num_tokens: int, cp_size: int) -> list[CPShard]:
     def chunk_range(j: int) -> tuple[int, int]:
         return min(j * chunk, num_tokens), min((j + 1) * chunk, num_tokens)
 
-    return [CPShard(i, (chunk_range(i), chunk_range(2 * cp_size - 1 - i)), 2 * chunk) for i in range(cp_size)]
+    return [CPShard(i, cp_size, (chunk_range(i), chunk_range(2 * cp_size - 1 - i)), 2 * chunk) for i in range(cp_size)]
+
+
+CACHED = -1  # the chunk index of a cached prefix: every new token comes after it
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows [start, end) of a rank's query or KV block that hold one chunk (or the cached prefix)."""
+
+    chunk: int
+    start: int
+    end: int
+
+
+def query_segments(shard: CPShard) -> tuple[Segment, ...]:
+    """The rank's new tokens in block order: its early chunk, then its late one (empty chunks left out)."""
+    segments, row = [], 0
+    chunks = (shard.rank, 2 * shard.cp_size - 1 - shard.rank)
+    for chunk, (start, end) in zip(chunks, shard.ranges):
+        if end > start:
+            segments.append(Segment(chunk, row, row + end - start))
+            row += end - start
+    return tuple(segments)
+
+
+def kv_segments(num_cached: int, queries: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """A rank's KV block: the cached prefix it holds, then its new tokens."""
+    cached = (Segment(CACHED, 0, num_cached),) if num_cached else ()
+    return cached + tuple(Segment(s.chunk, s.start + num_cached, s.end + num_cached) for s in queries)
+
+
+def sees(query_chunk: int, key_chunk: int) -> str | None:
+    """How a query chunk sees a key chunk under causal attention: "all", "causal" (the same chunk) or None."""
+    if key_chunk == CACHED or key_chunk < query_chunk:
+        return "all"
+    return "causal" if key_chunk == query_chunk else None
