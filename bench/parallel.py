@@ -1,4 +1,4 @@
-"""All-reduce latency per algorithm (flat, tree, ring) across message sizes, over gloo.
+"""All-reduce latency per algorithm (flat, tree, ring over gloo; flat through shared memory) across sizes.
 
     python bench/parallel.py [--world 2] [--quick]
 
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.parallel.allreduce import AllReduceAlgorithm, all_reduce  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
+from engine.parallel.shm_allreduce import SharedMemoryAllReduce  # noqa: E402
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
 
@@ -30,17 +31,20 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
 def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, results) -> None:
     torch.set_num_threads(1)
     group = stateless_group(rendezvous("127.0.0.1", port, rank, world), "bench", rank, world)
+    shared = SharedMemoryAllReduce(group, max_bytes=max(sizes))
     for size in sizes:
         t = torch.ones(size // 4)
-        for algorithm in AllReduceAlgorithm:
+        runs = {algorithm.value: lambda a=algorithm: all_reduce(t, group, a) for algorithm in AllReduceAlgorithm}
+        runs["shm flat"] = lambda: shared(t)
+        for name, run in runs.items():
             times = []
             for _ in range(repeats):
                 group.barrier().wait()
                 start = time.perf_counter()
-                all_reduce(t, group, algorithm)
+                run()
                 times.append(time.perf_counter() - start)
             if rank == 0:
-                results.put((size, algorithm.value, statistics.median(times) * 1e6))
+                results.put((size, name, statistics.median(times) * 1e6))
 
 
 def main() -> None:
@@ -58,11 +62,12 @@ def main() -> None:
     while not results.empty():
         size, name, us = results.get()
         table.setdefault(size, {})[name] = us
-    print(f"### all-reduce, gloo, {args.world} ranks x 1 thread, median µs\n")
-    print("| bytes | flat | tree | ring | fastest |\n|---|---|---|---|---|")
+    print(f"### all-reduce, {args.world} ranks x 1 thread, median µs (flat/tree/ring over gloo)\n")
+    print("| bytes | flat | tree | ring | shm flat | fastest |\n|---|---|---|---|---|---|")
     for size in sorted(table):
         row = table[size]
-        print(f"| {size} | {row['flat']:.0f} | {row['tree']:.0f} | {row['ring']:.0f} | {min(row, key=row.get)} |")
+        print(f"| {size} | {row['flat']:.0f} | {row['tree']:.0f} | {row['ring']:.0f} | {row['shm flat']:.0f} "
+              f"| {min(row, key=row.get)} |")
 
 
 if __name__ == "__main__":

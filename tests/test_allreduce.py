@@ -35,10 +35,17 @@ def all_algorithms_worker(rank: int, world: int, port: int) -> None:
     t = torch.ones(3, 5) * rank
     all_reduce(t, group)  # chosen by size
     assert torch.equal(t, torch.full((3, 5), float(sum(range(world)))))
-    reducer = AllReducer(group, AllReduceThresholds(flat_max_bytes=64, tree_max_bytes=1024))  # CPU: no symmetric memory
-    for numel in (8, 100, 1000):  # flat, tree, ring by size
-        t = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-        assert torch.equal(reducer(t), torch.arange(numel, dtype=torch.float32) * sum(range(1, world + 1)))
+    gloo_only = AllReducer(group, AllReduceThresholds(flat_max_bytes=64, tree_max_bytes=1024), shared_memory=False)
+    shared = AllReducer(other)  # one CPU host: through shared memory
+    assert shared.shared is not None
+    for step in range(3):  # the shared segment's two buffer sets alternate
+        for numel in (8, 100, 1000, 70_000):  # gloo: flat, tree, ring by size
+            expected = torch.arange(numel, dtype=torch.float32) * sum(range(1, world + 1)) + step * world
+            for reducer in (gloo_only, shared):
+                t = torch.arange(numel, dtype=torch.float32) * (rank + 1) + step
+                assert torch.equal(reducer(t), expected)
+    big = torch.ones(3 << 20) * rank  # 12 MB: past the shared segment, falls back to gloo
+    assert torch.equal(shared(big), torch.full((3 << 20,), float(sum(range(world)))))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -83,22 +83,32 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, algorithm: AllRed
 
 
 class AllReducer:
-    """`all_reduce` bound to a group, its thresholds and a device.
+    """`all_reduce` bound to a group (of ranks on one host), its thresholds and a device.
 
-    On CUDA, when torch's symmetric memory is available, FLAT and TREE run as its
-    one-shot and two-shot kernels (each rank reads its peers' buffers over NVLink)
-    on a buffer registered once, as Meta's DDA does; otherwise the algorithms above.
+    Direct access where the hardware has it, as Meta's DDA: on CUDA with torch's
+    symmetric memory, FLAT and TREE run as its one-shot and two-shot kernels over a
+    buffer registered once (NVLink); on a CPU host, every message that fits the
+    shared segment runs as FLAT through shared memory. Otherwise the gloo/NCCL
+    algorithms above, chosen by the thresholds.
     """
 
     def __init__(self, group: dist.ProcessGroup, thresholds: AllReduceThresholds = AllReduceThresholds(),
-                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+                 shared_memory: bool = True) -> None:
+        from engine.parallel import shm_allreduce
+
         self.group, self.thresholds = group, thresholds
         self.symmetric = _SymmetricBuffer.create(group, thresholds, device, dtype) if device.type == "cuda" else None
+        use_shm = shared_memory and device.type == "cpu" and group.size() > 1 and shm_allreduce.available()
+        self.shared = shm_allreduce.SharedMemoryAllReduce(group) if use_shm else None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.group is None or self.group.size() == 1:
+        if self.group.size() == 1:
             return tensor
-        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), self.thresholds)
+        num_bytes = tensor.numel() * tensor.element_size()
+        if self.shared is not None and num_bytes <= self.shared.max_bytes:
+            return self.shared(tensor)
+        algorithm = choose_algorithm(num_bytes, self.thresholds)
         if self.symmetric is not None and algorithm is not AllReduceAlgorithm.RING and tensor.dtype == self.symmetric.dtype:
             return self.symmetric.all_reduce(tensor, algorithm)
         return all_reduce(tensor, self.group, algorithm)
