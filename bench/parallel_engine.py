@@ -85,7 +85,7 @@ def ep_worker(rank: int, world: int, port: int, token_counts: list[int], results
     with torch.inference_mode():
         for tokens in token_counts:
             x = torch.randn(tokens, 1024)
-            layer, floor = [], []
+            layer, floor, local = [], [], []
             share = -(-tokens // world) * 2  # rows this rank sends: its share of tokens x top-2
             splits = [share // world] * (world - 1) + [share - share // world * (world - 1)]
             payload = torch.randn(share, 1024)
@@ -99,8 +99,11 @@ def ep_worker(rank: int, world: int, port: int, token_counts: list[int], results
                 back = all_to_all(group, payload, splits, splits)  # dispatch-sized, then combine-sized
                 all_to_all(group, back, splits, splits)
                 floor.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                moe(x)  # the same layer with all experts on this rank
+                local.append(time.perf_counter() - start)
             if rank == 0:
-                results.put((tokens, statistics.median(layer) * 1e3, statistics.median(floor) * 1e3))
+                results.put((tokens, *(statistics.median(t) * 1e3 for t in (layer, floor, local))))
 
 
 def bench_ep(token_counts: list[int]) -> None:
@@ -110,10 +113,11 @@ def bench_ep(token_counts: list[int]) -> None:
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ep_worker, args=(2, port, token_counts, results), nprocs=2)
     print("### EP MoE layer, 2 ranks x 1 thread, 8 experts top-2, D = I = 1024, fp32, median ms\n")
-    print("| tokens | dispatch + experts + combine | two bare all-to-alls of the payload |\n|---|---|---|")
+    print("| tokens | EP=2: dispatch + experts + combine | two bare all-to-alls of the payload | one rank, all experts |")
+    print("|---|---|---|---|")
     while not results.empty():
-        tokens, layer, floor = results.get()
-        print(f"| {tokens} | {layer:.2f} | {floor:.2f} |")
+        tokens, layer, floor, local = results.get()
+        print(f"| {tokens} | {layer:.2f} | {floor:.2f} | {local:.2f} |")
     print()
 
 
