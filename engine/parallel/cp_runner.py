@@ -72,13 +72,14 @@ class ContextParallelRunner(ModelRunner):
             positions += [chunk.start + t for t in offsets]
             if chunk.samples:
                 sample_rows.append(last_row)
+        tables = self._padded_tables(decode_tables)
         meta = CPAttentionMetadata(
             group=self.group,
             write_rows=torch.tensor(write_rows, dtype=torch.long, device=dev),
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
             num_decode=len(decode_tables),
-            decode_block_tables=self._padded_tables(decode_tables),
-            decode_mask=self._decode_mask(decode_tables, decode_lens),
+            decode_block_tables=tables,
+            decode_mask=None if tables is None else self._decode_mask(tables, decode_lens),
             spans=tuple(spans),
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
@@ -89,6 +90,8 @@ class ContextParallelRunner(ModelRunner):
             if row is not None:
                 sampled[i] = hidden[row]
         self.group.allreduce([sampled]).wait()  # one rank holds each row; the others add zeros
+        if self.rank != 0:
+            return sampled[:0]  # only rank 0 samples
         return self.model.compute_logits(sampled)  # [S, V]
 
     def _record_ownership(self, plan: StepPlan) -> None:
@@ -109,12 +112,9 @@ class ContextParallelRunner(ModelRunner):
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
 
-    def _decode_mask(self, tables: list[list[int]], lens: list[int]) -> torch.Tensor | None:
-        padded = self._padded_tables(tables)
-        if padded is None:
-            return None
+    def _decode_mask(self, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
         bs = self.block_size
-        slots = (padded[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)  # [B, L]
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)  # [B, L]
         in_context = torch.arange(slots.shape[1], device=self.device)[None, :] < torch.tensor(lens)[:, None]
         return (in_context & self.owned[slots])[:, None, None, :]  # [B, 1, 1, L]
 
