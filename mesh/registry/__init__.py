@@ -1,0 +1,17 @@
+"""Where the mesh's instances find each other: one interface, an in-memory and a Redis implementation."""
+
+from mesh.registry.base import InstanceInfo, InstanceState, Registry, Role
+from mesh.registry.memory import MemoryRegistry
+
+__all__ = ["InstanceInfo", "InstanceState", "Registry", "Role", "MemoryRegistry", "connect_registry"]
+
+
+def connect_registry(spec: str) -> Registry:
+    """`memory` or `redis://HOST:PORT[/DB]`."""
+    if spec == "memory":
+        return MemoryRegistry()
+    if spec.startswith("redis://"):
+        from mesh.registry.redis import RedisRegistry
+
+        return RedisRegistry(spec)
+    raise ValueError(f"registry must be 'memory' or 'redis://HOST:PORT', got {spec!r}")

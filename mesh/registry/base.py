@@ -1,0 +1,78 @@
+"""The registry contract: instances announce themselves with a time to live and disappear when they stop.
+
+An instance calls `register` at start and again as its heartbeat (each call
+replaces its record and renews the TTL); a record not renewed within its TTL is
+gone from `instances()`. Prefill and decode instances also publish the hashes of
+the KV blocks they hold (`set_block_hashes`, the same hash chain as the engine's
+prefix cache), so the router can ask `prefix_hits(chain)`: how many leading
+blocks of a prompt each live instance already holds.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+
+
+class Role(str, enum.Enum):
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EXPERT = "expert"
+
+
+class InstanceState(str, enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InstanceInfo:
+    id: str
+    role: Role
+    address: str  # host:port of its gRPC server
+    pid: int
+    model: str
+    parallel: dict[str, int] = field(default_factory=lambda: {"tp": 1, "cp": 1, "ep": 1})
+    state: InstanceState = InstanceState.STARTING
+    active_requests: int = 0
+    total_requests: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    rendezvous: str = ""  # host:port of a TCPStore for process groups with this instance (expert attachment)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "InstanceInfo":
+        data = json.loads(text)
+        return cls(**data | {"role": Role(data["role"]), "state": InstanceState(data["state"])})
+
+
+class Registry(abc.ABC):
+    @abc.abstractmethod
+    def register(self, info: InstanceInfo, ttl_s: float) -> None:
+        """Create or replace the record of `info.id`, live for `ttl_s` seconds from now."""
+
+    @abc.abstractmethod
+    def deregister(self, instance_id: str) -> None:
+        """Remove the record and its block hashes now (a no-op when absent)."""
+
+    @abc.abstractmethod
+    def instances(self, role: Role | None = None) -> list[InstanceInfo]:
+        """Live records, of one role or all, ordered by id."""
+
+    @abc.abstractmethod
+    def set_block_hashes(self, instance_id: str, hashes: set[int], ttl_s: float) -> None:
+        """Replace the set of KV block hashes `instance_id` holds."""
+
+    @abc.abstractmethod
+    def prefix_hits(self, chain: list[int]) -> dict[str, int]:
+        """For each live instance: how many leading hashes of `chain` it holds."""
+
+    def close(self) -> None:
+        """Release connections; safe to call twice."""

@@ -1,0 +1,77 @@
+"""The registry contract, passed by both implementations: in-memory, and Redis (a real redis-server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
+
+
+@pytest.fixture(params=["memory", "redis"])
+def registry(request):
+    if request.param == "memory":
+        reg = connect_registry("memory")
+    else:
+        url = request.getfixturevalue("redis_url")
+        reg = connect_registry(url)
+        reg._redis.flushdb()
+    yield reg
+    reg.close()
+    reg.close()  # safe twice
+
+
+def info(iid: str, role: Role = Role.DECODE, **fields) -> InstanceInfo:
+    return InstanceInfo(id=iid, role=role, address=f"127.0.0.1:{5000 + len(iid)}", pid=123, model="smollm2-135m",
+                        **fields)
+
+
+def test_registered_instances_are_listed_by_role_with_their_record(registry):
+    registry.register(info("d1", kv_blocks_total=100, parallel={"tp": 2, "cp": 1, "ep": 1}), ttl_s=30)
+    registry.register(info("p1", Role.PREFILL), ttl_s=30)
+    assert [i.id for i in registry.instances()] == ["d1", "p1"]
+    (d1,) = registry.instances(Role.DECODE)
+    assert d1 == info("d1", kv_blocks_total=100, parallel={"tp": 2, "cp": 1, "ep": 1})
+    assert registry.instances(Role.EXPERT) == []
+
+
+def test_registering_again_replaces_the_record(registry):
+    registry.register(info("d1"), ttl_s=30)
+    registry.register(info("d1", state=InstanceState.SERVING, active_requests=3), ttl_s=30)
+    (d1,) = registry.instances()
+    assert d1.state is InstanceState.SERVING and d1.active_requests == 3
+
+
+def test_an_instance_that_stops_renewing_disappears_after_its_ttl(registry):
+    registry.register(info("short"), ttl_s=0.3)
+    registry.register(info("long"), ttl_s=30)
+    registry.set_block_hashes("short", {1, 2}, ttl_s=0.3)
+    time.sleep(0.6)
+    assert [i.id for i in registry.instances()] == ["long"]
+    assert registry.prefix_hits([1, 2]) == {"long": 0}
+
+
+def test_deregistered_instances_and_their_blocks_are_gone(registry):
+    registry.register(info("d1"), ttl_s=30)
+    registry.set_block_hashes("d1", {7}, ttl_s=30)
+    registry.deregister("d1")
+    registry.deregister("d1")  # no-op
+    assert registry.instances() == [] and registry.prefix_hits([7]) == {}
+
+
+def test_prefix_hits_count_leading_blocks_held(registry):
+    for iid in ("a", "b", "c"):
+        registry.register(info(iid), ttl_s=30)
+    registry.set_block_hashes("a", {11, 12, 13}, ttl_s=30)
+    registry.set_block_hashes("b", {11, 13}, ttl_s=30)  # a gap: only the first counts
+    chain = [11, 12, 13, 14]
+    assert registry.prefix_hits(chain) == {"a": 3, "b": 1, "c": 0}
+    registry.set_block_hashes("a", set(), ttl_s=30)  # replaced, not merged
+    assert registry.prefix_hits(chain)["a"] == 0
+    assert registry.prefix_hits([]) == {"a": 0, "b": 0, "c": 0}
+
+
+def test_a_bad_registry_spec_is_refused():
+    with pytest.raises(ValueError, match="registry must be 'memory' or 'redis://HOST:PORT', got 'etcd://x'"):
+        connect_registry("etcd://x")
