@@ -1,0 +1,216 @@
+from protos.infermesh.v1 import common_pb2 as _common_pb2
+from protos.infermesh.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSPORT_UNSPECIFIED: _ClassVar[KVTransport]
+    KV_TRANSPORT_GRPC_STREAM: _ClassVar[KVTransport]
+    KV_TRANSPORT_TORCH_P2P: _ClassVar[KVTransport]
+    KV_TRANSPORT_SHARED_MEMORY: _ClassVar[KVTransport]
+
+class KVStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_STATUS_UNSPECIFIED: _ClassVar[KVStatus]
+    KV_STATUS_READY: _ClassVar[KVStatus]
+    KV_STATUS_FAILED: _ClassVar[KVStatus]
+
+class CPMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CP_METHOD_UNSPECIFIED: _ClassVar[CPMethod]
+    CP_METHOD_PASS_KV: _ClassVar[CPMethod]
+    CP_METHOD_PASS_Q: _ClassVar[CPMethod]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+KV_TRANSPORT_UNSPECIFIED: KVTransport
+KV_TRANSPORT_GRPC_STREAM: KVTransport
+KV_TRANSPORT_TORCH_P2P: KVTransport
+KV_TRANSPORT_SHARED_MEMORY: KVTransport
+KV_STATUS_UNSPECIFIED: KVStatus
+KV_STATUS_READY: KVStatus
+KV_STATUS_FAILED: KVStatus
+CP_METHOD_UNSPECIFIED: CPMethod
+CP_METHOD_PASS_KV: CPMethod
+CP_METHOD_PASS_Q: CPMethod
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+
+class HeadRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("decode_id", "transport", "address", "head_ranges", "block_size", "block_table", "first_token", "dtype")
+    DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_RANGES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    decode_id: str
+    transport: KVTransport
+    address: str
+    head_ranges: _containers.RepeatedCompositeFieldContainer[HeadRange]
+    block_size: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    dtype: DType
+    def __init__(self, decode_id: _Optional[str] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., address: _Optional[str] = ..., head_ranges: _Optional[_Iterable[_Union[HeadRange, _Mapping]]] = ..., block_size: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transport")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    transport: KVTransport
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[_Union[KVTransport, str]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: KVTarget
+    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prefill_locally", "prompt_token_ids", "sampling", "first_token_id", "kv_status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_locally: bool
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    first_token_id: int
+    kv_status: KVStatus
+    def __init__(self, request_id: _Optional[str] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    target: KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprobs", "cp_method", "cp_reason", "cached_tokens", "kv_status", "kv_bytes", "kv_seconds", "prefill_seconds")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CP_METHOD_FIELD_NUMBER: _ClassVar[int]
+    CP_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_STATUS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprobs: _common_pb2.TokenLogprobs
+    cp_method: CPMethod
+    cp_reason: str
+    cached_tokens: int
+    kv_status: KVStatus
+    kv_bytes: int
+    kv_seconds: float
+    prefill_seconds: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cp_method: _Optional[_Union[CPMethod, str]] = ..., cp_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+
+class KVPiece(_message.Message):
+    __slots__ = ("request_id", "layer", "dst_rank", "dst_slot", "num_tokens", "dtype", "keys", "values")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layer: int
+    dst_rank: int
+    dst_slot: int
+    num_tokens: int
+    dtype: DType
+    keys: bytes
+    values: bytes
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_rank: _Optional[int] = ..., dst_slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("bytes", "pieces")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    pieces: int
+    def __init__(self, bytes: _Optional[int] = ..., pieces: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InstanceStatus(_message.Message):
+    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    role: _common_pb2.Role
+    address: str
+    pid: int
+    model: str
+    parallel: _common_pb2.ParallelLayout
+    state: _common_pb2.InstanceState
+    active_requests: int
+    total_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
