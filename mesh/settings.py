@@ -1,0 +1,94 @@
+"""Settings of each service: one frozen dataclass per role.
+
+Every field can come from an `INFERMESH_<FIELD>` environment variable (parsed by
+the field's type) and be overridden by a CLI flag: `load(cls, flags)` applies
+defaults, then the environment, then the flags that were given (not None).
+Bad values raise ValueError naming the variable or flag and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+
+ENV_PREFIX = "INFERMESH_"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceSettings:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    model: str = "smollm2-135m"
+    registry: str = "memory"  # memory | redis://HOST:PORT
+    trace: str = "none"  # none | console | otlp | file:PATH
+    heartbeat_s: float = 1.0
+    ttl_s: float = 5.0  # a record not renewed for this long is gone
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 < self.heartbeat_s < self.ttl_s:
+            raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < ttl_s ({self.ttl_s})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings(ServiceSettings):
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillSettings(EngineSettings):
+    cp: int = 1
+    cp_method: str = "auto"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodeSettings(EngineSettings):
+    tp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterSettings(ServiceSettings):
+    policy: str = "least_load"  # round_robin | least_load | prefix_aware
+    local_prefill_max_tokens: int = 64  # conditional disaggregation: decode prefills uncached parts this short
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        super(RouterSettings, self).__post_init__()
+        if self.policy not in ("round_robin", "least_load", "prefix_aware"):
+            raise ValueError(f"policy must be round_robin, least_load or prefix_aware, got {self.policy!r}")
+
+
+S = typing.TypeVar("S", bound=ServiceSettings)
+
+
+def load(cls: type[S], flags: dict[str, object] | None = None, environ: typing.Mapping[str, str] = os.environ) -> S:
+    """Defaults, then INFERMESH_* variables, then the flags that were given."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        name = ENV_PREFIX + f.name.upper()
+        if name in environ:
+            values[f.name] = _parse(environ[name], hints[f.name], name)
+    values.update({k: v for k, v in (flags or {}).items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown setting(s) for {cls.__name__}: {', '.join(sorted(unknown))}")
+    return cls(**values)
+
+
+def _parse(text: str, kind: type, name: str) -> object:
+    try:
+        if kind is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
