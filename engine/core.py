@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,12 +24,21 @@ from engine.parallel.tp import max_kv_heads_per_rank
 from engine.runner import build_runner
 from engine.sampler import SamplingParams, TokenLogprobs, sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_plan import plan_step
 from engine.tokenizer import IncrementalDetokenizer
 from engine.weights import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVSink(Protocol):
+    """Takes a request's prompt KV layer by layer, during the step that completes the prompt.
+
+    `push_layer` must copy or send what it needs before returning: the blocks may be
+    reused once the request finishes."""
+
+    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int]) -> None: ...
 
 
 class RequestError(ValueError):
@@ -106,10 +116,54 @@ class EngineCore:
         else:
             self._generator.seed()
         self._seeded: dict[str, torch.Generator] = {}
+        self._sinks: dict[str, KVSink] = {}
 
     # ---- requests -----------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_sink: KVSink | None = None) -> Sequence:
+        """Queue a request. With `kv_sink`, its prompt's KV is pushed there layer by layer as it completes."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if kv_sink is not None:
+            self._sinks[request_id] = kv_sink
+        self.scheduler.add(seq)
+        return seq
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Hold KV blocks for a prompt that another instance prefills; `join` or `recompute` it next.
+        The sequence's `block_table` says where the KV goes; `num_cached_prompt_tokens` is already here."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(seq):
+            self._forget(request_id)
+            need = self.blocks.blocks_for(len(prompt_token_ids))
+            raise RequestError(f"KV cache has {self.blocks.num_free_blocks} free blocks; the prompt needs {need}")
+        return seq
+
+    def join(self, request_id: str, first_token: int) -> StepOutput:
+        """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance."""
+        seq = self._reserved(request_id)
+        self.scheduler.join(seq)
+        return self._append(seq, first_token, None)
+
+    def recompute(self, request_id: str) -> None:
+        """The KV transfer failed: prefill the reserved request here instead."""
+        seq = self._reserved(request_id)
+        self.scheduler.finish(seq, FinishReason.ABORT)  # frees the reserved blocks
+        seq.finish_reason, seq.num_cached_prompt_tokens = None, 0
+        self.scheduler.add(seq)
+
+    @property
+    def kv_cache(self):
+        """This rank's KV cache, per layer (k, v) [blocks, block_size, kv_heads, head_dim], for KV receivers."""
+        return self.executor.kv_cache
+
+    def _reserved(self, request_id: str) -> Sequence:
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RESERVED:
+            raise RequestError(f"request_id {request_id!r} has no reservation")
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self._sequences:
             raise RequestError(f"request_id {request_id!r} is already running")
         if not prompt_token_ids:
@@ -129,7 +183,6 @@ class EngineCore:
         self._emitted[request_id] = 0
         if params.seed is not None:
             self._seeded[request_id] = torch.Generator().manual_seed(params.seed)
-        self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -167,7 +220,17 @@ class EngineCore:
     def run_model(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """The sampling chunks and their logits [len(sampling), V], row for row."""
         plan, ordered = plan_step(chunks, self.config.block_size)
-        logits = self.executor.execute(plan)
+        pushing = [(self._sinks[c.seq.request_id], c.seq.block_table) for c in ordered
+                   if c.seq.request_id in self._sinks and c.end == c.seq.num_prompt_tokens]
+        on_layer = None
+        if pushing:
+            kv_cache = self.kv_cache
+
+            def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
+                for sink, table in pushing:
+                    sink.push_layer(layer, *kv_cache[layer], table)
+
+        logits = self.executor.execute(plan, on_layer)
         return [ordered[i] for i in plan.sampling_indices], logits
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
@@ -197,7 +260,7 @@ class EngineCore:
         return StepOutput(seq.request_id, [token], seq.text[emitted:upto], reason, [logprob] if logprob else [])
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._sequences, self._detokenizers, self._emitted, self._seeded):
+        for table in (self._sequences, self._detokenizers, self._emitted, self._seeded, self._sinks):
             table.pop(request_id, None)
 
 

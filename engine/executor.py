@@ -30,7 +30,13 @@ class ParallelExecutor:
         except BaseException as e:
             raise self.ranks.failure(e) from e
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    @property
+    def kv_cache(self):
+        return self.runner.kv_cache  # rank 0's share
+
+    def execute(self, plan: StepPlan, on_layer=None) -> torch.Tensor:
+        if on_layer is not None:
+            raise NotImplementedError("pushing KV out of a multi-rank instance is not supported yet")
         if self.ranks.context is None:
             raise ParallelError("this parallel instance has stopped; create a new one")
         try:

@@ -7,6 +7,9 @@ Logits are computed only for the last row of each chunk that samples.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 
 from engine.attention import build_metadata
@@ -23,8 +26,9 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [len(plan.sampling_indices), V] (float32), in plan order."""
+    def execute(self, plan: StepPlan, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [len(plan.sampling_indices), V] (float32), in plan order. `on_layer(i)` runs as each
+        layer finishes (its KV for this step is then in the cache)."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -47,9 +51,23 @@ class ModelRunner:
                               prefill_chunks=prefill_chunks, block_size=bs, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, D]
+        with _after_each_layer(self.model, on_layer):
+            hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, D]
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [S, V]
+
+
+@contextlib.contextmanager
+def _after_each_layer(model: Transformer, on_layer: Callable[[int], None] | None):
+    if on_layer is None:
+        yield
+        return
+    hooks = [layer.register_forward_hook(lambda *_, i=i: on_layer(i)) for i, layer in enumerate(model.layers)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,

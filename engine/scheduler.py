@@ -96,6 +96,24 @@ class Scheduler:
             budget -= n
         return chunks
 
+    def reserve(self, seq: Sequence) -> bool:
+        """Hold KV blocks for the whole prompt of `seq` (reusing a cached prefix), without scheduling it."""
+        blocks, hashes = self.blocks.match_prefix(seq.prompt_token_ids)
+        if not self.blocks.grow(blocks, seq.num_prompt_tokens):
+            self.blocks.free(blocks)
+            return False
+        seq.block_table, seq.block_hashes = blocks, hashes
+        seq.num_cached_prompt_tokens = min(len(hashes) * self.blocks.block_size, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RESERVED
+        return True
+
+    def join(self, seq: Sequence) -> None:
+        """A reserved sequence whose prompt KV has arrived: it decodes from its next step on."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def update(self, chunks: list[ScheduledChunk]) -> None:
         """After the step ran: the chunks' KV is in the cache."""
         for chunk in chunks:
@@ -104,6 +122,7 @@ class Scheduler:
             self.blocks.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Also for reserved sequences: their blocks are freed the same way."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

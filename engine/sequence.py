@@ -15,6 +15,7 @@ from engine.sampler import SamplingParams, TokenLogprobs
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # KV blocks held for a prompt prefilled elsewhere; not scheduled until it joins
     RUNNING = "running"
     FINISHED = "finished"
 
