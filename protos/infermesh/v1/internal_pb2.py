@@ -26,53 +26,53 @@ from protos.infermesh.v1 import common_pb2 as protos_dot_infermesh_dot_v1_dot_co
 from protos.infermesh.v1 import inference_pb2 as protos_dot_infermesh_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/infermesh/v1/internal.proto\x12\x0cinfermesh.v1\x1a protos/infermesh/v1/common.proto\x1a#protos/infermesh/v1/inference.proto\"\'\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\xec\x01\n\x08KVTarget\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12,\n\x0bhead_ranges\x18\x04 \x03(\x0b\x32\x17.infermesh.v1.HeadRange\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\x12\"\n\x05\x64type\x18\x08 \x01(\x0e\x32\x13.infermesh.v1.DType\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\"9\n\x0fReserveResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12&\n\x06target\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\x9d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12)\n\tcp_method\x18\x03 \x01(\x0e\x32\x16.infermesh.v1.CPMethod\x12\x11\n\tcp_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nkv_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\"\xa6\x01\n\x07KVPiece\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\"\n\x05\x64type\x18\x06 \x01(\x0e\x32\x13.infermesh.v1.DType\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\"-\n\x0cPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06pieces\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xa9\x02\n\x0eInstanceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.infermesh.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12.\n\x08parallel\x18\x06 \x01(\x0b\x32\x1c.infermesh.v1.ParallelLayout\x12*\n\x05state\x18\x07 \x01(\x0e\x32\x1b.infermesh.v1.InstanceState\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r\x12\x16\n\x0etotal_requests\x18\t \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r*\x85\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x01\x12\x1a\n\x16KV_TRANSPORT_TORCH_P2P\x10\x02\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x03*P\n\x08KVStatus\x12\x19\n\x15KV_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_STATUS_READY\x10\x01\x12\x14\n\x10KV_STATUS_FAILED\x10\x02*R\n\x08\x43PMethod\x12\x19\n\x15\x43P_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43P_METHOD_PASS_KV\x10\x01\x12\x14\n\x10\x43P_METHOD_PASS_Q\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xde\x01\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.infermesh.v1.ReserveRequest\x1a\x1d.infermesh.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.infermesh.v1.DecodeRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2\x96\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.infermesh.v1.PrefillRequest\x1a\x1d.infermesh.v1.PrefillResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2I\n\nKVTransfer\x12;\n\x04Push\x12\x15.infermesh.v1.KVPiece\x1a\x1a.infermesh.v1.PushResponse(\x01\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.infermesh.v1.StatusRequest\x1a\x1c.infermesh.v1.InstanceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/infermesh/v1/internal.proto\x12\x0cinfermesh.v1\x1a protos/infermesh/v1/common.proto\x1a#protos/infermesh/v1/inference.proto\"\'\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\xee\x01\n\x08KVTarget\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\x12\x11\n\taddresses\x18\x03 \x03(\t\x12,\n\x0bhead_ranges\x18\x04 \x03(\x0b\x32\x17.infermesh.v1.HeadRange\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\x12\"\n\x05\x64type\x18\x08 \x01(\x0e\x32\x13.infermesh.v1.DType\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\"9\n\x0fReserveResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12&\n\x06target\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\x9d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12)\n\tcp_method\x18\x03 \x01(\x0e\x32\x16.infermesh.v1.CPMethod\x12\x11\n\tcp_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nkv_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\"\xa6\x01\n\x07KVPiece\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\"\n\x05\x64type\x18\x06 \x01(\x0e\x32\x13.infermesh.v1.DType\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\"-\n\x0cPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06pieces\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xa9\x02\n\x0eInstanceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.infermesh.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12.\n\x08parallel\x18\x06 \x01(\x0b\x32\x1c.infermesh.v1.ParallelLayout\x12*\n\x05state\x18\x07 \x01(\x0e\x32\x1b.infermesh.v1.InstanceState\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r\x12\x16\n\x0etotal_requests\x18\t \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r*\x85\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x01\x12\x1a\n\x16KV_TRANSPORT_TORCH_P2P\x10\x02\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x03*P\n\x08KVStatus\x12\x19\n\x15KV_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_STATUS_READY\x10\x01\x12\x14\n\x10KV_STATUS_FAILED\x10\x02*R\n\x08\x43PMethod\x12\x19\n\x15\x43P_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43P_METHOD_PASS_KV\x10\x01\x12\x14\n\x10\x43P_METHOD_PASS_Q\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xde\x01\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.infermesh.v1.ReserveRequest\x1a\x1d.infermesh.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.infermesh.v1.DecodeRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2\x96\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.infermesh.v1.PrefillRequest\x1a\x1d.infermesh.v1.PrefillResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2I\n\nKVTransfer\x12;\n\x04Push\x12\x15.infermesh.v1.KVPiece\x1a\x1a.infermesh.v1.PushResponse(\x01\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.infermesh.v1.StatusRequest\x1a\x1c.infermesh.v1.InstanceStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.infermesh.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSPORT']._serialized_start=1870
-  _globals['_KVTRANSPORT']._serialized_end=2003
-  _globals['_KVSTATUS']._serialized_start=2005
-  _globals['_KVSTATUS']._serialized_end=2085
-  _globals['_CPMETHOD']._serialized_start=2087
-  _globals['_CPMETHOD']._serialized_end=2169
-  _globals['_DTYPE']._serialized_start=2171
-  _globals['_DTYPE']._serialized_end=2259
+  _globals['_KVTRANSPORT']._serialized_start=1872
+  _globals['_KVTRANSPORT']._serialized_end=2005
+  _globals['_KVSTATUS']._serialized_start=2007
+  _globals['_KVSTATUS']._serialized_end=2087
+  _globals['_CPMETHOD']._serialized_start=2089
+  _globals['_CPMETHOD']._serialized_end=2171
+  _globals['_DTYPE']._serialized_start=2173
+  _globals['_DTYPE']._serialized_end=2261
   _globals['_HEADRANGE']._serialized_start=123
   _globals['_HEADRANGE']._serialized_end=162
   _globals['_KVTARGET']._serialized_start=165
-  _globals['_KVTARGET']._serialized_end=401
-  _globals['_RESERVEREQUEST']._serialized_start=404
-  _globals['_RESERVEREQUEST']._serialized_end=560
-  _globals['_RESERVERESPONSE']._serialized_start=562
-  _globals['_RESERVERESPONSE']._serialized_end=619
-  _globals['_DECODEREQUEST']._serialized_start=622
-  _globals['_DECODEREQUEST']._serialized_end=823
-  _globals['_CANCELREQUEST']._serialized_start=825
-  _globals['_CANCELREQUEST']._serialized_end=860
-  _globals['_CANCELRESPONSE']._serialized_start=862
-  _globals['_CANCELRESPONSE']._serialized_end=893
-  _globals['_PREFILLREQUEST']._serialized_start=896
-  _globals['_PREFILLREQUEST']._serialized_end=1046
-  _globals['_PREFILLRESPONSE']._serialized_start=1049
-  _globals['_PREFILLRESPONSE']._serialized_end=1334
-  _globals['_KVPIECE']._serialized_start=1337
-  _globals['_KVPIECE']._serialized_end=1503
-  _globals['_PUSHRESPONSE']._serialized_start=1505
-  _globals['_PUSHRESPONSE']._serialized_end=1550
-  _globals['_STATUSREQUEST']._serialized_start=1552
-  _globals['_STATUSREQUEST']._serialized_end=1567
-  _globals['_INSTANCESTATUS']._serialized_start=1570
-  _globals['_INSTANCESTATUS']._serialized_end=1867
-  _globals['_DECODE']._serialized_start=2262
-  _globals['_DECODE']._serialized_end=2484
-  _globals['_PREFILL']._serialized_start=2487
-  _globals['_PREFILL']._serialized_end=2637
-  _globals['_KVTRANSFER']._serialized_start=2639
-  _globals['_KVTRANSFER']._serialized_end=2712
-  _globals['_ADMIN']._serialized_start=2714
-  _globals['_ADMIN']._serialized_end=2790
+  _globals['_KVTARGET']._serialized_end=403
+  _globals['_RESERVEREQUEST']._serialized_start=406
+  _globals['_RESERVEREQUEST']._serialized_end=562
+  _globals['_RESERVERESPONSE']._serialized_start=564
+  _globals['_RESERVERESPONSE']._serialized_end=621
+  _globals['_DECODEREQUEST']._serialized_start=624
+  _globals['_DECODEREQUEST']._serialized_end=825
+  _globals['_CANCELREQUEST']._serialized_start=827
+  _globals['_CANCELREQUEST']._serialized_end=862
+  _globals['_CANCELRESPONSE']._serialized_start=864
+  _globals['_CANCELRESPONSE']._serialized_end=895
+  _globals['_PREFILLREQUEST']._serialized_start=898
+  _globals['_PREFILLREQUEST']._serialized_end=1048
+  _globals['_PREFILLRESPONSE']._serialized_start=1051
+  _globals['_PREFILLRESPONSE']._serialized_end=1336
+  _globals['_KVPIECE']._serialized_start=1339
+  _globals['_KVPIECE']._serialized_end=1505
+  _globals['_PUSHRESPONSE']._serialized_start=1507
+  _globals['_PUSHRESPONSE']._serialized_end=1552
+  _globals['_STATUSREQUEST']._serialized_start=1554
+  _globals['_STATUSREQUEST']._serialized_end=1569
+  _globals['_INSTANCESTATUS']._serialized_start=1572
+  _globals['_INSTANCESTATUS']._serialized_end=1869
+  _globals['_DECODE']._serialized_start=2264
+  _globals['_DECODE']._serialized_end=2486
+  _globals['_PREFILL']._serialized_start=2489
+  _globals['_PREFILL']._serialized_end=2639
+  _globals['_KVTRANSFER']._serialized_start=2641
+  _globals['_KVTRANSFER']._serialized_end=2714
+  _globals['_ADMIN']._serialized_start=2716
+  _globals['_ADMIN']._serialized_end=2792
 # @@protoc_insertion_point(module_scope)

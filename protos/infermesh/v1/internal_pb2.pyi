@@ -58,10 +58,10 @@ class HeadRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("decode_id", "transport", "address", "head_ranges", "block_size", "block_table", "first_token", "dtype")
+    __slots__ = ("decode_id", "transport", "addresses", "head_ranges", "block_size", "block_table", "first_token", "dtype")
     DECODE_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HEAD_RANGES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -69,13 +69,13 @@ class KVTarget(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     decode_id: str
     transport: KVTransport
-    address: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
     head_ranges: _containers.RepeatedCompositeFieldContainer[HeadRange]
     block_size: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     dtype: DType
-    def __init__(self, decode_id: _Optional[str] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., address: _Optional[str] = ..., head_ranges: _Optional[_Iterable[_Union[HeadRange, _Mapping]]] = ..., block_size: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    def __init__(self, decode_id: _Optional[str] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., addresses: _Optional[_Iterable[str]] = ..., head_ranges: _Optional[_Iterable[_Union[HeadRange, _Mapping]]] = ..., block_size: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "transport")

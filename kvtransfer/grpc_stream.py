@@ -1,0 +1,102 @@
+"""KV transfer over a gRPC client stream (works everywhere): `KVTransfer.Push`, one stream per
+(request, destination rank); the destination rank's server writes each piece into its cache and
+answers once the stream ends, which is the acknowledgement `finish` waits for."""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+import torch
+
+from kvtransfer.plan import Piece
+from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
+DTYPES = {torch.float32: internal_pb2.DTYPE_FLOAT32, torch.bfloat16: internal_pb2.DTYPE_BFLOAT16,
+          torch.float16: internal_pb2.DTYPE_FLOAT16}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+_END = object()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class GrpcStreamSender(KVSender):
+    def __init__(self, channel: grpc.Channel, request_id: str, dst_rank: int, *, timeout_s: float = 60.0) -> None:
+        super().__init__()
+        self.request_id, self.dst_rank, self.timeout_s = request_id, dst_rank, timeout_s
+        self._stub = internal_pb2_grpc.KVTransferStub(channel)
+        self._queue: queue.Queue = queue.Queue(maxsize=256)  # bounded: a slow receiver slows the sender
+        self._call = None
+
+    def _requests(self):
+        while (item := self._queue.get()) is not _END:
+            yield item
+
+    def _put(self, item) -> None:
+        while True:
+            if self._call.done():
+                self._raise_from_call()
+                raise TransferError(f"KV push to rank {self.dst_rank} ended early")
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self._call is None:
+            self._call = self._stub.Push.future(self._requests(), timeout=self.timeout_s)
+        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
+                                       dst_slot=piece.dst_slot, num_tokens=piece.num_tokens, dtype=DTYPES[keys.dtype],
+                                       keys=tensor_bytes(keys), values=tensor_bytes(values)))
+
+    def _finish(self, timeout_s: float) -> None:
+        if self._call is None:
+            return  # nothing to send to this rank
+        self._put(_END)
+        try:
+            self._call.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            self._call.cancel()
+            raise TransferError(f"KV push to rank {self.dst_rank} not acknowledged within {timeout_s} s") from None
+        except grpc.RpcError:
+            self._raise_from_call()
+
+    def _raise_from_call(self) -> None:
+        error = self._call.exception()
+        if error is not None:
+            raise TransferError(f"KV push to rank {self.dst_rank} failed: {error.code().name}: {error.details()}")
+
+
+class KVTransferService(internal_pb2_grpc.KVTransferServicer):
+    """Served by each decode rank, writing into that rank's cache."""
+
+    def __init__(self, receiver: KVReceiver, rank: int = 0) -> None:
+        self.receiver, self.rank = receiver, rank
+
+    def Push(self, request_iterator, context):
+        total = pieces = 0
+        for msg in request_iterator:
+            if msg.dst_rank != self.rank:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"piece for rank {msg.dst_rank} sent to rank {self.rank}")
+            try:
+                keys, values = (self._tensor(data, msg) for data in (msg.keys, msg.values))
+                total += self.receiver.write(msg.request_id, msg.layer, msg.dst_slot, keys, values)
+            except PieceRejected as e:
+                code = grpc.StatusCode.NOT_FOUND if "no KV reservation" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, str(e))
+            pieces += 1
+        return internal_pb2.PushResponse(bytes=total, pieces=pieces)
+
+    def _tensor(self, data: bytes, msg) -> torch.Tensor:
+        dtype = TORCH_DTYPES.get(msg.dtype)
+        if dtype is None:
+            raise PieceRejected(f"dtype {msg.dtype} is not one of float32, bfloat16, float16")
+        shape = (msg.num_tokens, self.receiver.num_heads, self.receiver.head_dim)
+        expected = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
+        if len(data) != expected:
+            raise PieceRejected(f"piece of {msg.num_tokens} tokens must carry {expected} bytes per tensor, got {len(data)}")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)

@@ -1,0 +1,136 @@
+"""The transport contract: one request's KV pieces to one destination rank, with explicit states.
+
+    PENDING --send()--> TRANSFERRING --finish()--> DONE
+                             \\--(error, timeout, abort)--> FAILED
+
+A sender is used from one thread: `send` pieces in layer order, then `finish`,
+which returns only once the receiver has acknowledged every piece (or raises
+`TransferError` and leaves the sender FAILED). The receiving side is a
+`KVReceiver` writing pieces into a rank's cache after checking each one lands in
+blocks reserved for that request. `LoopbackSender` calls a receiver in process
+(tests, warm-up); gRPC streams and torch.distributed point-to-point are the real ones.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvtransfer.plan import Piece
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; decode falls back to recomputing the prompt."""
+
+
+class PieceRejected(ValueError):
+    """A piece the receiver refuses: unknown request, out of its blocks, wrong shape or dtype."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    bytes: int
+    pieces: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class KVReceiver:
+    """Writes pieces into one rank's KV cache; `reserved(request_id)` gives the request's block table or None.
+
+    The caller keeps a reservation's blocks allocated until every push to it has ended."""
+
+    def __init__(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+                 reserved: Callable[[str], tuple[int, ...] | None]) -> None:
+        self.kv_cache, self.reserved = kv_cache, reserved
+        _, self.block_size, self.num_heads, self.head_dim = kv_cache[0][0].shape
+        self.dtype = kv_cache[0][0].dtype
+        self._lock = threading.Lock()
+
+    def write(self, request_id: str, layer: int, dst_slot: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Store `keys`/`values` [n, heads, head_dim] at slots dst_slot.. of `layer`; returns the bytes written."""
+        table = self.reserved(request_id)
+        if table is None:
+            raise PieceRejected(f"request {request_id!r} has no KV reservation here")
+        if not 0 <= layer < len(self.kv_cache):
+            raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
+        n = keys.shape[0]
+        expected = (n, self.num_heads, self.head_dim)
+        if keys.shape != expected or values.shape != expected or keys.dtype != self.dtype or values.dtype != self.dtype:
+            raise PieceRejected(f"piece must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
+                                f"{keys.dtype} and values {list(values.shape)} {values.dtype}")
+        block, offset = divmod(dst_slot, self.block_size)
+        if n < 1 or block not in table or offset + n > self.block_size:
+            raise PieceRejected(f"slots [{dst_slot}, {dst_slot + n}) are not inside one block reserved for "
+                                f"{request_id!r}")
+        k_cache, v_cache = self.kv_cache[layer]
+        with self._lock:
+            k_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = keys
+            v_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = values
+        return 2 * keys.numel() * keys.element_size()
+
+
+class KVSender(abc.ABC):
+    def __init__(self) -> None:
+        self.state = TransferState.PENDING
+        self._bytes = self._pieces = 0
+        self._started = 0.0
+
+    def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.state is TransferState.FAILED:
+            return  # already failed: finish() reports it
+        if self.state is TransferState.PENDING:
+            self.state, self._started = TransferState.TRANSFERRING, time.perf_counter()
+        try:
+            self._send(layer, piece, keys, values)
+        except Exception:
+            self.state = TransferState.FAILED
+            raise
+        self._bytes += 2 * keys.numel() * keys.element_size()
+        self._pieces += 1
+
+    def finish(self, timeout_s: float = 60.0) -> TransferStats:
+        try:
+            if self.state is TransferState.FAILED:
+                raise TransferError("an earlier piece failed to send")
+            self._finish(timeout_s)
+        except TransferError:
+            self.state = TransferState.FAILED
+            raise
+        self.state = TransferState.DONE
+        return TransferStats(self._bytes, self._pieces, time.perf_counter() - self._started if self._started else 0.0)
+
+    @abc.abstractmethod
+    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _finish(self, timeout_s: float) -> None:
+        """Block until the receiver acknowledged everything; raise TransferError otherwise."""
+
+
+class LoopbackSender(KVSender):
+    def __init__(self, receiver: KVReceiver, request_id: str) -> None:
+        super().__init__()
+        self.receiver, self.request_id = receiver, request_id
+
+    def _send(self, layer, piece, keys, values) -> None:
+        self.receiver.write(self.request_id, layer, piece.dst_slot, keys, values)
+
+    def _finish(self, timeout_s: float) -> None:
+        pass

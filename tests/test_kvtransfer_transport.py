@@ -1,0 +1,118 @@
+"""KV transports move the KV bit-exactly into reserved blocks, and fail clearly: gRPC stream over loopback."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core import EngineConfig, EngineCore
+from engine.weights import load_checkpoint
+from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService
+from kvtransfer.plan import DecodeLayout, Piece
+from kvtransfer.sink import PlanSink
+from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState
+from protos.infermesh.v1 import internal_pb2_grpc
+from tests.conftest import TINY_VOCAB
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def reservations(engine: EngineCore):
+    def reserved(request_id: str):
+        seq = engine._sequences.get(request_id)
+        return tuple(seq.block_table) if seq is not None and seq.status.value == "reserved" else None
+
+    return reserved
+
+
+@pytest.fixture
+def pair(tiny_checkpoint):
+    """A prefill engine (block size 8) and a decode engine (block size 16) behind a real gRPC server."""
+    folder, _ = tiny_checkpoint("qwen3")
+    checkpoint = load_checkpoint(str(folder))
+    prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
+    decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(KVReceiver(decode.kv_cache, reservations(decode))),
+                                                       server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield prefill, decode, channel, LLM(str(folder), dtype="float32")
+    channel.close()
+    server.stop(None)
+
+
+def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, prompt: list[int]):
+    seq = decode.reserve(request_id, prompt, GREEDY)
+    target = DecodeLayout(head_ranges=((0, decode.model_config.num_kv_heads),), block_size=16,
+                          block_table=tuple(seq.block_table), first_token=seq.num_cached_prompt_tokens)
+    sink = PlanSink(num_tokens=len(prompt), num_kv_heads=prefill.model_config.num_kv_heads, block_size=8, target=target,
+                    senders=[GrpcStreamSender(channel, request_id, 0)])
+    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_sink=sink)
+    first = None
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            first = out.new_token_ids[0]
+    return sink, first
+
+
+def test_grpc_stream_moves_kv_between_block_sizes_and_decode_continues_exactly(pair):
+    prefill, decode, channel, reference = pair
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (9, 37)]
+    expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    outs = {}
+    for i, prompt in enumerate(prompts):
+        sink, first = transfer(prefill, decode, channel, f"r{i}", prompt)
+        stats = sink.finish()
+        assert all(s.state is TransferState.DONE for s in sink.senders)
+        layers, heads, head_dim = 2, decode.model_config.num_kv_heads, decode.model_config.head_dim
+        assert stats.bytes == layers * 2 * len(prompt) * heads * head_dim * 4
+        outs[f"r{i}"] = list(decode.join(f"r{i}", first).new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            outs[out.request_id] += out.new_token_ids
+    assert [outs["r0"], outs["r1"]] == expected
+
+
+def test_pieces_for_a_request_without_reservation_fail_the_transfer_with_not_found(pair):
+    _, _, channel, _ = pair
+    sender = GrpcStreamSender(channel, "ghost", 0)
+    sender.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+    with pytest.raises(TransferError, match="NOT_FOUND: request 'ghost' has no KV reservation here"):
+        sender.finish(timeout_s=10)
+    assert sender.state is TransferState.FAILED
+
+
+def test_a_piece_outside_the_reserved_blocks_is_refused(pair):
+    _, decode, channel, _ = pair
+    decode.reserve("r", [5] * 10, GREEDY)
+    outside = max(decode._sequences["r"].block_table) + 1
+    sender = GrpcStreamSender(channel, "r", 0)
+    sender.send(0, Piece(0, 0, (0, 2), (0, 2), 0, outside * 16), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
+    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside one block reserved"):
+        sender.finish(timeout_s=10)
+
+
+def test_an_unreachable_decode_fails_the_transfer_within_the_timeout():
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    sender = GrpcStreamSender(channel, "r", 0, timeout_s=2)
+    sender.send(0, Piece(0, 0, (0, 1), (0, 1), 0, 0), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(TransferError, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
+        sender.finish(timeout_s=5)
+
+
+def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    decode = EngineCore(load_checkpoint(str(folder)), EngineConfig(dtype="float32", block_size=16, num_kv_blocks=8))
+    seq = decode.reserve("r", [5] * 4, GREEDY)
+    sender = LoopbackSender(KVReceiver(decode.kv_cache, reservations(decode)), "r")
+    keys = torch.randn(4, 2, 16)
+    sender.send(1, Piece(0, 0, (0, 4), (0, 2), 0, seq.block_table[0] * 16), keys, -keys)
+    assert sender.finish().pieces == 1
+    assert torch.equal(decode.kv_cache[1][0][seq.block_table[0], :4], keys)
