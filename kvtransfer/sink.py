@@ -33,6 +33,8 @@ class PlanSink:
         for piece in self.pieces:
             rows, heads = slice(piece.src_slot, piece.src_slot + piece.num_tokens), slice(*piece.heads)
             self.senders[piece.dst_rank].send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
+        for sender in self.senders:
+            sender.flush()
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""

@@ -105,6 +105,9 @@ class KVSender(abc.ABC):
         self._bytes += 2 * keys.numel() * keys.element_size()
         self._pieces += 1
 
+    def flush(self) -> None:
+        """The layer's pieces are all sent: a transport that batches per layer sends them now."""
+
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         try:
             if self.state is TransferState.FAILED:

@@ -116,3 +116,79 @@ def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
     sender.send(1, Piece(0, 0, (0, 4), (0, 2), 0, seq.block_table[0] * 16), keys, -keys)
     assert sender.finish().pieces == 1
     assert torch.equal(decode.kv_cache[1][0][seq.block_table[0], :4], keys)
+
+
+# ---- torch.distributed point-to-point over a pair group: prefill CP ranks + decode TP ranks ---------------
+
+
+def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
+    from engine.parallel.cp_shard import shard_tokens
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.plan import PrefillLayout, plan
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    torch.set_num_threads(1)
+    world = cp + tp
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, world), "pair", rank, world)
+    layers, tokens, heads, head_dim = 2, 45, 3, 8
+    truth = torch.randn(layers, 2, tokens, heads, head_dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    src = PrefillLayout(token_ranges=tuple(s.ranges for s in shard_tokens(tokens, cp)), num_kv_heads=heads,
+                        block_size=4, block_table=tuple(range(20, 32)))
+    dst = DecodeLayout(head_ranges=((0, 2), (1, 3))[:tp] if tp == 2 else ((0, 3),), block_size=16,
+                       block_table=(7, 2, 5))
+    if rank < cp:  # a prefill rank: its tokens only, in its own blocks
+        cache = torch.zeros(layers, 2, 40 * 4, heads, head_dim, dtype=torch.bfloat16)
+        for start, end in src.token_ranges[rank]:
+            for t in range(start, end):
+                cache[:, :, src.block_table[t // 4] * 4 + t % 4] = truth[:, :, t]
+        senders = {r: TorchP2PSender(group, "req", cp + r) for r in range(tp)}
+        pieces = [p for p in plan(src, dst) if p.src_rank == rank]
+        for layer in range(layers):
+            for p in pieces:
+                h = slice(*p.heads)
+                rows = slice(p.src_slot, p.src_slot + p.num_tokens)
+                senders[p.dst_rank].send(layer, p, cache[layer, 0, rows, h].clone(), cache[layer, 1, rows, h].clone())
+            for s in senders.values():
+                s.flush()
+        stats = [s.finish() for s in senders.values()]
+        ghost = TorchP2PSender(group, "ghost", cp)  # decode holds no reservation for this request
+        piece = next(p for p in pieces if p.dst_rank == 0)
+        zeros = torch.zeros(piece.num_tokens, piece.heads[1] - piece.heads[0], head_dim, dtype=torch.bfloat16)
+        ghost.send(0, piece, zeros, zeros)
+        try:
+            ghost.finish()
+            refused = None
+        except Exception as e:
+            refused = str(e)
+        results.put(("prefill", rank, sum(s.bytes for s in stats), refused))
+    else:  # a decode rank: its heads of every token
+        r = rank - cp
+        h0, h1 = dst.head_ranges[r]
+        kv = [(torch.zeros(8, 16, h1 - h0, head_dim, dtype=torch.bfloat16),
+               torch.zeros(8, 16, h1 - h0, head_dim, dtype=torch.bfloat16)) for _ in range(layers)]
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: dst.block_table if rid == "req" else None))
+        assert receiver.wait_for([(s, "req") for s in range(cp)], timeout_s=60)
+        for layer in range(layers):
+            for t in range(tokens):
+                slot = dst.block_table[t // 16], t % 16
+                assert torch.equal(kv[layer][0][slot], truth[layer, 0, t, h0:h1])
+                assert torch.equal(kv[layer][1][slot], truth[layer, 1, t, h0:h1])
+        results.put(("decode", rank, sum(receiver.completed.values()), None))
+    group.barrier().wait()
+
+
+@pytest.mark.parametrize("cp,tp", [(1, 1), (2, 2)])
+def test_torch_p2p_moves_kv_bit_exactly_from_cp_ranks_to_tp_ranks(cp, tp):
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_worker, args=(cp, tp, free_port(), results), nprocs=cp + tp)
+    rows = [results.get() for _ in range(cp + tp)]
+    sent = sum(b for role, _, b, _ in rows if role == "prefill")
+    received = sum(b for role, _, b, _ in rows if role == "decode")
+    heads_stored = 4 if tp == 2 else 3  # KV head 1 lives on both decode ranks
+    assert sent == received == 2 * 2 * 45 * heads_stored * 8 * 2  # layers x (k, v) x tokens x heads x dim x bf16
+    refusals = [reason for role, _, _, reason in rows if role == "prefill"]
+    assert all(r is not None and "refused KV of 'ghost'" in r and "no KV reservation" in r for r in refusals)

@@ -1,0 +1,150 @@
+"""KV transfer over torch.distributed point-to-point in a process group per prefill/decode pair
+(gloo on CPU; NCCL on GPUs, which is the NVLink / InfiniBand RDMA path).
+
+Group ranks: the prefill instance's ranks first, then the decode instance's. Per
+(request, source rank, destination rank), every layer is one message: a
+descriptor (tag 1), a header naming the request and the pieces' destination
+slots (tag 2), and one payload holding keys and values of all the layer's pieces
+(tag 3). A final END descriptor asks for the acknowledgement (tag 4): status and
+bytes written, then the reason when a piece was refused.
+
+`TorchP2PReceiver` runs a thread on each decode rank that takes messages from any
+source (`recv_anysource` on the descriptor tag, then the rest from that source)
+and writes them through a `KVReceiver`. One transfer at a time per source rank.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvtransfer.plan import Piece
+from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
+
+TAG_DESCRIPTOR, TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3, 4
+DATA, END = 0, 1
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def _header(request_id: str, layer: int, slots: list[tuple[int, int]]) -> torch.Tensor:
+    name = list(request_id.encode())
+    return torch.tensor([layer, len(slots), len(name), *(x for pair in slots for x in pair), *name], dtype=torch.long)
+
+
+def _parse_header(header: torch.Tensor) -> tuple[str, int, list[tuple[int, int]]]:
+    values = header.tolist()
+    layer, count, name_len = values[:3]
+    pairs = values[3:3 + 2 * count]
+    return bytes(values[3 + 2 * count:3 + 2 * count + name_len]).decode(), layer, list(zip(pairs[::2], pairs[1::2]))
+
+
+class TorchP2PSender(KVSender):
+    def __init__(self, group, request_id: str, dst_group_rank: int) -> None:
+        super().__init__()
+        self.group, self.request_id, self.dst = group, request_id, dst_group_rank
+        self._layer: int | None = None
+        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
+
+    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self._layer is not None and layer != self._layer:
+            self.flush()
+        self._layer = layer
+        self._pending.append((piece, keys, values))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pieces, self._pending = self._pending, []
+        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
+        payload = torch.stack([keys, torch.cat([v for _, _, v in pieces])])  # [2, N, H, D]
+        header = _header(self.request_id, self._layer, [(p.dst_slot, p.num_tokens) for p, _, _ in pieces])
+        self._exchange(DATA, header, payload)
+
+    def _exchange(self, kind: int, header: torch.Tensor, payload: torch.Tensor | None) -> None:
+        heads, head_dim = (payload.shape[2], payload.shape[3]) if payload is not None else (0, 0)
+        dtype = DTYPE_CODES[payload.dtype] if payload is not None else 0
+        descriptor = torch.tensor([kind, header.numel(), 0 if payload is None else payload.shape[1], dtype, heads,
+                                   head_dim], dtype=torch.long)
+        try:
+            self.group.send([descriptor], self.dst, TAG_DESCRIPTOR).wait()
+            self.group.send([header], self.dst, TAG_HEADER).wait()
+            if payload is not None:
+                self.group.send([payload.contiguous()], self.dst, TAG_PAYLOAD).wait()
+        except RuntimeError as e:
+            raise TransferError(f"KV send to group rank {self.dst} failed: {e}") from None
+
+    def _finish(self, timeout_s: float) -> None:
+        self.flush()
+        self._exchange(END, _header(self.request_id, -1, []), None)
+        ack = torch.zeros(3, dtype=torch.long)  # status, bytes, reason length
+        try:
+            self.group.recv([ack], self.dst, TAG_ACK).wait()
+            status, _, reason_len = ack.tolist()
+            if status != 0:
+                reason = torch.zeros(reason_len, dtype=torch.uint8)
+                self.group.recv([reason], self.dst, TAG_ACK).wait()
+                raise TransferError(f"group rank {self.dst} refused KV of {self.request_id!r}: "
+                                    f"{bytes(reason.tolist()).decode()}")
+        except RuntimeError as e:
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"no acknowledgement from group rank {self.dst}: {e}") from None
+
+
+class TorchP2PReceiver:
+    """A daemon thread writing the pieces that arrive on `group` into `receiver`; stops when the group fails."""
+
+    def __init__(self, group, receiver: KVReceiver) -> None:
+        self.group, self.receiver = group, receiver
+        self.completed: dict[tuple[int, str], int] = {}  # (source group rank, request id) -> bytes, once acked
+        self._written: dict[tuple[int, str], int] = {}
+        self._refused: dict[tuple[int, str], str] = {}
+        self._done = threading.Condition()
+        self.thread = threading.Thread(target=self._loop, name="kv-p2p-receiver", daemon=True)
+        self.thread.start()
+
+    def wait_for(self, keys: list[tuple[int, str]], timeout_s: float) -> bool:
+        with self._done:
+            return self._done.wait_for(lambda: all(k in self.completed for k in keys), timeout=timeout_s)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._receive_one()
+        except RuntimeError:
+            return  # the group was closed or a peer died
+
+    def _receive_one(self) -> None:
+        descriptor = torch.zeros(6, dtype=torch.long)
+        work = self.group.recv_anysource([descriptor], TAG_DESCRIPTOR)
+        work.wait()
+        source = work._source_rank()
+        kind, header_len, num_tokens, dtype, heads, head_dim = descriptor.tolist()
+        header = torch.zeros(header_len, dtype=torch.long)
+        self.group.recv([header], source, TAG_HEADER).wait()
+        request_id, layer, slots = _parse_header(header)
+        key = (source, request_id)
+        if kind == DATA:
+            payload = torch.zeros((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
+            self.group.recv([payload], source, TAG_PAYLOAD).wait()
+            row = 0
+            for slot, n in slots:
+                if key not in self._refused:
+                    try:
+                        self._written[key] = self._written.get(key, 0) + self.receiver.write(
+                            request_id, layer, slot, payload[0, row:row + n], payload[1, row:row + n])
+                    except PieceRejected as e:
+                        self._refused[key] = str(e)
+                row += n
+            return
+        reason = self._refused.pop(key, "").encode()
+        written = self._written.pop(key, 0)
+        self.group.send([torch.tensor([1 if reason else 0, written, len(reason)])], source, TAG_ACK).wait()
+        if reason:
+            self.group.send([torch.tensor(list(reason), dtype=torch.uint8)], source, TAG_ACK).wait()
+        else:
+            with self._done:
+                self.completed[key] = written
+                self._done.notify_all()
