@@ -1,0 +1,100 @@
+"""Tracing across every hop: OpenTelemetry spans, W3C trace context carried in gRPC metadata.
+
+`setup_tracing(spec, service)` configures this process once: `none` (default),
+`console`, `otlp` (the OTLP/gRPC exporter, from the `otlp` extra; endpoint from
+the standard OTEL_EXPORTER_OTLP_* variables) or `file:PATH` (each finished span
+appended to PATH as one JSON line; every process of a mesh may share the file).
+Clients put `outgoing_metadata()` on their calls; servers open their span with
+`server_span(grpc_context, name)`, which continues the caller's trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from typing import Iterator, Sequence
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter,
+                                            SpanExportResult)
+
+
+class JsonLinesExporter(SpanExporter):
+    """Appends spans as JSON lines; an exclusive lock per batch keeps lines of several processes whole."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(span_record(s)) + "\n" for s in spans)
+        with open(self.path, "a", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(lines)
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
+        return SpanExportResult.SUCCESS
+
+
+def span_record(span: ReadableSpan) -> dict:
+    ctx = span.get_span_context()
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "service": span.resource.attributes.get("service.name"),
+        "pid": os.getpid(),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+    }
+
+
+def setup_tracing(spec: str, service: str) -> TracerProvider | None:
+    if spec == "none":
+        return None
+    if spec == "console":
+        exporter: SpanExporter = ConsoleSpanExporter()
+    elif spec.startswith("file:") and len(spec) > 5:
+        exporter = JsonLinesExporter(spec[5:])
+    elif spec == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise ValueError("trace 'otlp' needs the OTLP exporter: pip install 'infermesh[otlp]'") from None
+        exporter = OTLPSpanExporter()
+    else:
+        raise ValueError(f"trace must be none, console, otlp or file:PATH, got {spec!r}")
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))  # spans are written as they end: none lost at exit
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("infermesh")
+
+
+def outgoing_metadata(extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """gRPC metadata carrying the current trace context (W3C traceparent/tracestate)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return list(extra) + sorted(carrier.items())
+
+
+@contextlib.contextmanager
+def server_span(grpc_context, name: str, **attributes) -> Iterator[trace.Span]:
+    """A span continuing the trace the caller sent in its metadata."""
+    carrier = {k: v for k, v in (grpc_context.invocation_metadata() or ())}
+    token = otel_context.attach(propagate.extract(carrier))
+    try:
+        with tracer().start_as_current_span(name, kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+            yield span
+    finally:
+        otel_context.detach(token)

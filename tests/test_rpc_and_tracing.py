@@ -1,0 +1,109 @@
+"""Every service: health and reflection for clients that know nothing of our stubs; trace context across hops."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from mesh.rpc import channel, start_server
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
+
+class FixedStatus(internal_pb2_grpc.AdminServicer):
+    def Status(self, request, context):
+        from mesh.telemetry import server_span
+
+        with server_span(context, "admin.status", instance="x"):
+            return internal_pb2.InstanceStatus(id="x", kv_blocks_total=42)
+
+
+@pytest.fixture
+def admin_server():
+    server, port, health = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_AdminServicer_to_server, FixedStatus(),
+                                                          "infermesh.v1.Admin")])
+    yield f"127.0.0.1:{port}", health
+    server.stop(None)
+
+
+def test_a_client_without_our_stubs_lists_and_calls_the_service_by_reflection(admin_server):
+    address, _ = admin_server
+    with grpc.insecure_channel(address) as ch:
+        database = ProtoReflectionDescriptorDatabase(ch)
+        assert "infermesh.v1.Admin" in database.get_services()
+        pool = descriptor_pool.DescriptorPool(database)
+        method = pool.FindServiceByName("infermesh.v1.Admin").FindMethodByName("Status")
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        call = ch.unary_unary("/infermesh.v1.Admin/Status", request_serializer=request_class.SerializeToString,
+                              response_deserializer=response_class.FromString)
+        response = call(request_class(), timeout=10)
+        assert response.id == "x" and response.kv_blocks_total == 42
+
+
+def test_the_standard_health_service_reports_each_service(admin_server):
+    address, health = admin_server
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert stub.Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Admin"), timeout=10).status == serving
+        health.set("infermesh.v1.Admin", health_pb2.HealthCheckResponse.NOT_SERVING)  # draining
+        assert stub.Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Admin"), timeout=10).status != serving
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Nope"), timeout=10)
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def traced_client(address: str, path: str) -> None:
+    from mesh.telemetry import outgoing_metadata, setup_tracing, tracer
+
+    provider = setup_tracing(f"file:{path}", "client")
+    with tracer().start_as_current_span("client.call"):
+        internal_pb2_grpc.AdminStub(channel(address)).Status(internal_pb2.StatusRequest(), metadata=outgoing_metadata(),
+                                                             timeout=10)
+    provider.shutdown()
+
+
+def traced_server(path: str, ready, stop) -> None:
+    from mesh.telemetry import setup_tracing
+
+    provider = setup_tracing(f"file:{path}", "server")
+    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_AdminServicer_to_server, FixedStatus(),
+                                                     "infermesh.v1.Admin")])
+    ready.put(port)
+    stop.wait(60)
+    server.stop(None)
+    provider.shutdown()
+
+
+def test_one_call_is_one_trace_across_two_processes_in_one_file(tmp_path):
+    path = str(tmp_path / "spans.jsonl")
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Queue(), spawn.Event()
+    server = spawn.Process(target=traced_server, args=(path, ready, stop))
+    server.start()
+    try:
+        client = spawn.Process(target=traced_client, args=(f"127.0.0.1:{ready.get(timeout=60)}", path))
+        client.start()
+        client.join(60)
+        assert client.exitcode == 0
+    finally:
+        stop.set()
+        server.join(30)
+    spans = {s["name"]: s for s in map(json.loads, open(path).read().splitlines())}
+    assert spans["admin.status"]["trace_id"] == spans["client.call"]["trace_id"]
+    assert spans["admin.status"]["parent_id"] == spans["client.call"]["span_id"]
+    assert spans["admin.status"]["pid"] != spans["client.call"]["pid"]
+    assert spans["admin.status"]["service"] == "server" and spans["admin.status"]["attributes"] == {"instance": "x"}
+
+
+def test_a_bad_trace_spec_is_refused():
+    from mesh.telemetry import setup_tracing
+
+    with pytest.raises(ValueError, match="trace must be none, console, otlp or file:PATH, got 'jaeger'"):
+        setup_tracing("jaeger", "x")
