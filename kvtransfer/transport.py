@@ -57,17 +57,14 @@ class KVReceiver:
     The caller keeps a reservation's blocks allocated until every push to it has ended."""
 
     def __init__(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-                 reserved: Callable[[str], tuple[int, ...] | None]) -> None:
+                 reserved: Callable[[str], tuple[int, ...] | None], lock: threading.Lock | None = None) -> None:
         self.kv_cache, self.reserved = kv_cache, reserved
         _, self.block_size, self.num_heads, self.head_dim = kv_cache[0][0].shape
         self.dtype = kv_cache[0][0].dtype
-        self._lock = threading.Lock()
+        self.lock = lock or threading.Lock()  # the owner frees reservations under the same lock
 
     def write(self, request_id: str, layer: int, dst_slot: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store `keys`/`values` [n, heads, head_dim] at slots dst_slot.. of `layer`; returns the bytes written."""
-        table = self.reserved(request_id)
-        if table is None:
-            raise PieceRejected(f"request {request_id!r} has no KV reservation here")
         if not 0 <= layer < len(self.kv_cache):
             raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
         n = keys.shape[0]
@@ -76,11 +73,14 @@ class KVReceiver:
             raise PieceRejected(f"piece must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
                                 f"{keys.dtype} and values {list(values.shape)} {values.dtype}")
         block, offset = divmod(dst_slot, self.block_size)
-        if n < 1 or block not in table or offset + n > self.block_size:
-            raise PieceRejected(f"slots [{dst_slot}, {dst_slot + n}) are not inside one block reserved for "
-                                f"{request_id!r}")
         k_cache, v_cache = self.kv_cache[layer]
-        with self._lock:
+        with self.lock:  # checked and written atomically: a reservation cannot be freed in between
+            table = self.reserved(request_id)
+            if table is None:
+                raise PieceRejected(f"request {request_id!r} has no KV reservation here")
+            if n < 1 or block not in table or offset + n > self.block_size:
+                raise PieceRejected(f"slots [{dst_slot}, {dst_slot + n}) are not inside one block reserved for "
+                                    f"{request_id!r}")
             k_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = keys
             v_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = values
         return 2 * keys.numel() * keys.element_size()

@@ -83,6 +83,19 @@ def load(cls: type[S], flags: dict[str, object] | None = None, environ: typing.M
     return cls(**values)
 
 
+def parse_flags(cls: type[ServiceSettings], argv: list[str] | None = None) -> dict[str, object]:
+    """`--field-name VALUE` flags for every field of `cls` (the ones given; the rest stay None)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=cls.__name__)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                            type=(lambda text, k=kind, n=f.name: _parse(text, k, f"--{n.replace('_', '-')}")))
+    return vars(parser.parse_args(argv))
+
+
 def _parse(text: str, kind: type, name: str) -> object:
     try:
         if kind is bool:

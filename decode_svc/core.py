@@ -1,0 +1,182 @@
+"""The engine side of a decode instance, testable without gRPC.
+
+One thread owns the `EngineCore` and loops: run the commands other threads
+queued, then one engine step, then hand each request's output to its stream.
+gRPC handlers call `reserve`, `generate`, `join` and `cancel` from their own
+threads; each runs as a command on the engine thread (between steps) and
+`generate`/`join` return the request's queue of `Event`s: tokens, then a final one.
+
+KV arriving for reserved requests is written by a `KVReceiver` from transport
+threads under `kv_lock`; the engine thread takes the same lock to drop a
+reservation, so a piece is never written into blocks already given back.
+
+Lifecycle: `start()` -> serving -> `drain()` (refuse new requests, finish the
+running ones) -> `stop()` (abort what is left, join the thread; safe twice).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.core import EngineCore, RequestError, StepOutput
+from engine.sampler import SamplingParams, TokenLogprobs
+from engine.sequence import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # the last event of a request has one
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_prompt_tokens (last event)
+
+
+class DecodeCore:
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.kv_lock = threading.Lock()
+        self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
+        self.total_requests = 0
+        self.draining = False
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._usage: dict[str, dict[str, int]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> "DecodeCore":
+        self._thread.start()
+        return self
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._stopped.set()
+            self._commands.put(None)  # wake the loop
+            self._thread.join(timeout=30)
+        self.engine.close()
+
+    # ---- requests (any thread) ---------------------------------------------------------
+
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[tuple[int, ...], int]:
+        """Blocks for a prompt prefilled elsewhere: (block table, tokens already cached here)."""
+        def run():
+            self._refuse_when_draining()
+            seq = self.engine.reserve(request_id, prompt, params)
+            with self.kv_lock:
+                self.reservations[request_id] = tuple(seq.block_table)
+            self._usage[request_id] = {"prompt_tokens": len(prompt), "completion_tokens": 0,
+                                       "cached_prompt_tokens": seq.num_cached_prompt_tokens}
+            return tuple(seq.block_table), seq.num_cached_prompt_tokens
+
+        return self._call(run)
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> queue.Queue:
+        """Prefill here and decode: the whole request on this instance."""
+        def run():
+            self._refuse_when_draining()
+            seq = self.engine.add_request(request_id, prompt, params)
+            self._usage[request_id] = {"prompt_tokens": len(prompt), "completion_tokens": 0,
+                                       "cached_prompt_tokens": 0}
+            self._track(seq.request_id)
+            return self._streams[request_id]
+
+        return self._call(run)
+
+    def join(self, request_id: str, first_token: int | None) -> queue.Queue:
+        """The reserved request's KV arrived (`first_token` from prefill), or not (None: recompute here)."""
+        def run():
+            with self.kv_lock:
+                if self.reservations.pop(request_id, None) is None:
+                    raise RequestError(f"request_id {request_id!r} has no reservation")
+            stream = self._track(request_id)
+            if first_token is None:
+                self.engine.recompute(request_id)
+            else:
+                self._deliver(self.engine.join(request_id, first_token))
+            return stream
+
+        return self._call(run)
+
+    def cancel(self, request_id: str) -> bool:
+        def run():
+            with self.kv_lock:
+                self.reservations.pop(request_id, None)
+                found = self.engine.abort(request_id)
+            if found:
+                self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
+            self._usage.pop(request_id, None)
+            return found
+
+        return self._call(run)
+
+    def status(self) -> dict[str, int]:
+        blocks = self.engine.blocks
+        return {"active_requests": len(self._usage), "total_requests": self.total_requests,
+                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _call(self, fn: Callable):
+        if self._stopped.is_set():
+            raise RuntimeError("the decode engine has stopped")
+        done: Future = Future()
+        self._commands.put((fn, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                item = self._commands.get(timeout=None if not self.engine.has_unfinished() else 0)
+            except queue.Empty:
+                item = False
+            while item:
+                fn, done = item
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # reported to the caller, the loop goes on
+                    done.set_exception(e)
+                item = self._next_command()
+            if item is None:
+                break
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._deliver(out)
+        for request_id in list(self._usage):
+            self.engine.abort(request_id)
+            self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _track(self, request_id: str) -> queue.Queue:
+        self.total_requests += 1
+        return self._streams.setdefault(request_id, queue.Queue())
+
+    def _deliver(self, out: StepOutput) -> None:
+        usage = self._usage.get(out.request_id)
+        stream = self._streams.get(out.request_id)
+        if usage is None or stream is None:
+            return
+        usage["completion_tokens"] += len(out.new_token_ids)
+        reason = out.finish_reason.value if out.finish_reason else None
+        stream.put(Event(out.new_token_ids, out.text_delta, out.new_logprobs, reason, dict(usage) if reason else None))
+        if reason:
+            del self._usage[out.request_id], self._streams[out.request_id]
+
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise RuntimeError("this decode instance is draining")
+
