@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.core import EngineCore, RequestError, StepOutput
+from engine.loop import EngineLoop
 from engine.sampler import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason
 
@@ -43,27 +42,28 @@ class DecodeCore:
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
         self.total_requests = 0
         self.draining = False
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}
         self._usage: dict[str, dict[str, int]] = {}
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._loop = EngineLoop(engine, self._deliver, name="decode-engine")
+        self._call = self._loop.call
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> "DecodeCore":
-        self._thread.start()
+        self._loop.start()
         return self
 
     def drain(self) -> None:
         self.draining = True
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._stopped.set()
-            self._commands.put(None)  # wake the loop
-            self._thread.join(timeout=30)
+        self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._usage):
+            self.engine.abort(request_id)
+            self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
 
     # ---- requests (any thread) ---------------------------------------------------------
 
@@ -124,42 +124,7 @@ class DecodeCore:
         return {"active_requests": len(self._usage), "total_requests": self.total_requests,
                 "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
 
-    # ---- the engine thread ----------------------------------------------------------------
-
-    def _call(self, fn: Callable):
-        if self._stopped.is_set():
-            raise RuntimeError("the decode engine has stopped")
-        done: Future = Future()
-        self._commands.put((fn, done))
-        return done.result()
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                item = self._commands.get(timeout=None if not self.engine.has_unfinished() else 0)
-            except queue.Empty:
-                item = False
-            while item:
-                fn, done = item
-                try:
-                    done.set_result(fn())
-                except Exception as e:  # reported to the caller, the loop goes on
-                    done.set_exception(e)
-                item = self._next_command()
-            if item is None:
-                break
-            if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    self._deliver(out)
-        for request_id in list(self._usage):
-            self.engine.abort(request_id)
-            self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
-
-    def _next_command(self):
-        try:
-            return self._commands.get_nowait()
-        except queue.Empty:
-            return False
+    # ---- on the engine thread -------------------------------------------------------------
 
     def _track(self, request_id: str) -> queue.Queue:
         self.total_requests += 1
