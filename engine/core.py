@@ -143,6 +143,9 @@ class EngineCore:
         """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance."""
         seq = self._reserved(request_id)
         self.scheduler.join(seq)
+        seeded = self._seeded.get(request_id)
+        if seeded is not None and not seq.params.greedy:
+            torch.rand((), generator=seeded)  # the prefill instance drew the first token: stay in step with one engine
         return self._append(seq, first_token, None)
 
     def recompute(self, request_id: str) -> None:

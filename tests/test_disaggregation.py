@@ -3,6 +3,8 @@ layer into blocks a decode engine reserved; the decode engine continues. Tokens 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,6 +74,19 @@ def test_prefill_pushes_kv_layer_by_layer_and_decode_continues_exactly(engines):
     tokens = run_to_end(decode, firsts)
     assert [tokens[f"r{i}"] for i in range(3)] == expected
     assert decode.blocks.num_used_blocks == 0
+
+
+def test_seeded_sampling_continues_as_in_one_engine(engines):
+    prefill, decode, reference = engines
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=3, ignore_eos=True)
+    prompt = prompts()[2]
+    (expected,) = reference.generate([prompt], params)
+    decode.reserve("s", prompt, params)
+    prefill.add_request("s", prompt, dataclasses.replace(params, max_tokens=1),
+                        kv_sink=CopyIntoReservedBlocks(decode, "s", 8))
+    (first,) = next(out for out in iter(prefill.step, None) if out)
+    tokens = run_to_end(decode, [decode.join("s", first.new_token_ids[0])])
+    assert tokens["s"] == expected.token_ids
 
 
 def test_a_failed_transfer_is_recomputed_on_decode(engines):
