@@ -33,6 +33,7 @@ class Event:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # the last event of a request has one
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_prompt_tokens (last event)
+    error: str | None = None  # the engine failed: the request cannot go on
 
 
 class DecodeCore:
@@ -44,7 +45,7 @@ class DecodeCore:
         self.draining = False
         self._streams: dict[str, queue.Queue] = {}
         self._usage: dict[str, dict[str, int]] = {}
-        self._loop = EngineLoop(engine, self._deliver, name="decode-engine")
+        self._loop = EngineLoop(engine, self._deliver, name="decode-engine", on_failure=self._fail_streams)
         self._call = self._loop.call
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -59,6 +60,12 @@ class DecodeCore:
     def stop(self) -> None:
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put(Event([], "", error=f"the decode engine failed: {error!r}"))
+        self._streams.clear()
+        self._usage.clear()
 
     def _abort_all(self) -> None:
         for request_id in list(self._usage):

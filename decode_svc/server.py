@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import signal
 import threading
 import uuid
 
@@ -27,6 +26,7 @@ from kvtransfer.grpc_stream import DTYPES, KVTransferService
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
+from mesh.service import Heartbeat, run_until_signalled
 from mesh.settings import DecodeSettings, load, parse_flags
 from mesh.telemetry import server_span
 from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
@@ -70,6 +70,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 except queue.Empty:
                     self.core.cancel(rid)
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {EVENT_TIMEOUT_S} s")
+                if event.error:
+                    context.abort(grpc.StatusCode.INTERNAL, event.error)
                 tokens += len(event.token_ids)
                 if event.token_ids or event.text:
                     yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(
@@ -142,36 +144,26 @@ class DecodeInstance:
         ])
         self.address = decode.address = f"{s.host}:{port}"
         self.info = admin.info = dataclasses.replace(self.info, address=self.address)
-        self.registry = connect_registry(s.registry)
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        self._heartbeat.start()
+        self.heartbeat = Heartbeat(connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self._stopped = False
 
-    def _beat(self) -> None:
-        while not self._stop.is_set():
-            state = InstanceState.DRAINING if self.core.draining else InstanceState.SERVING
-            self.registry.register(dataclasses.replace(self.info, state=state, **self.core.status()), self.settings.ttl_s)
-            self._stop.wait(self.settings.heartbeat_s)
+    def _record(self) -> InstanceInfo:
+        state = InstanceState.DRAINING if self.core.draining else InstanceState.SERVING
+        return dataclasses.replace(self.info, state=state, **self.core.status())
 
     def stop(self) -> None:
-        if self._stop.is_set():
+        if self._stopped:
             return
-        self._stop.set()
-        self.registry.deregister(self.id)
+        self._stopped = True
+        self.heartbeat.stop()
         self.server.stop(grace=None)
         self.core.stop()
-        self.registry.close()
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = load(DecodeSettings, parse_flags(DecodeSettings, argv))
-    instance = DecodeInstance(settings)
+    instance = DecodeInstance(load(DecodeSettings, parse_flags(DecodeSettings, argv)))
     print(f"decode {instance.id} serving on {instance.address}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    instance.stop()
+    run_until_signalled(instance.stop)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ The loop thread owns the engine. It runs queued commands (`call(fn)` runs `fn`
 there between steps and returns its result or raises its exception in the
 caller's thread), then one engine step, handing every output to `on_output`; it
 sleeps on the command queue while the engine has nothing to do. `stop()` ends
-the loop, aborts what is unfinished (each abort is reported through
-`on_stop(request_id)`), and is safe to call twice.
+the loop, runs `on_stop` there last (to abort what is unfinished), and is safe
+to call twice. If a step raises, the loop stops: `on_failure(error)` runs (to
+fail the requests waiting on it) and every later `call` raises.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from engine.core import EngineCore, StepOutput
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_output: Callable[[StepOutput], None], name: str = "engine") -> None:
-        self.engine, self.on_output = engine, on_output
+    def __init__(self, engine: EngineCore, on_output: Callable[[StepOutput], None], name: str = "engine",
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.engine, self.on_output, self.on_failure = engine, on_output, on_failure
+        self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -32,7 +35,7 @@ class EngineLoop:
     def call(self, fn: Callable):
         """Run `fn()` on the loop thread between steps; its result, or its exception raised here."""
         if self._stopped.is_set():
-            raise RuntimeError("the engine loop has stopped")
+            raise RuntimeError(f"the engine loop has stopped{f': {self.error!r}' if self.error else ''}")
         done: Future = Future()
         self._commands.put((fn, done))
         return done.result()
@@ -66,5 +69,23 @@ class EngineLoop:
             if item is None:
                 return
             if self.engine.has_unfinished():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    self._fail(e)
+                    return
+                for out in outputs:
                     self.on_output(out)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self._stopped.set()
+        if self.on_failure is not None:
+            self.on_failure(error)
+        while True:  # commands queued meanwhile get the error too
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item:
+                item[1].set_exception(RuntimeError(f"the engine loop has stopped: {error!r}"))

@@ -1,6 +1,8 @@
 """The engine's KV sink for one request: cut each finished layer by the plan and hand the pieces to senders.
 
-`PlanSink` is what a prefill instance passes to `EngineCore.add_request(kv_sink=...)`:
+`PlanSink` is what a prefill instance passes to `EngineCore.add_request(kv_sink=...)`.
+It never raises into the engine step: a destination that fails is skipped from
+then on and `finish` raises its TransferError.
 on the first layer it learns the prompt's blocks and computes the plan to the
 decode layout; every layer, it copies this rank's pieces out of the cache (the
 head range of each destination rank) and sends them; `finish` waits for every
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.plan import DecodeLayout, Piece, PrefillLayout, plan
-from kvtransfer.transport import KVSender, TransferStats
+from kvtransfer.transport import KVSender, TransferError, TransferState, TransferStats
 
 
 class PlanSink:
@@ -31,10 +33,20 @@ class PlanSink:
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for piece in self.pieces:
+            sender = self.senders[piece.dst_rank]
+            if sender.state is TransferState.FAILED:
+                continue  # finish() reports it; the engine step must not fail for a transfer
             rows, heads = slice(piece.src_slot, piece.src_slot + piece.num_tokens), slice(*piece.heads)
-            self.senders[piece.dst_rank].send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
+            try:
+                sender.send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
+            except TransferError:
+                pass  # the sender is FAILED now
         for sender in self.senders:
-            sender.flush()
+            if sender.state is not TransferState.FAILED:
+                try:
+                    sender.flush()
+                except TransferError:
+                    pass
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""

@@ -91,6 +91,7 @@ class KVSender(abc.ABC):
         self.state = TransferState.PENDING
         self._bytes = self._pieces = 0
         self._started = 0.0
+        self._error: TransferError | None = None
 
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.state is TransferState.FAILED:
@@ -99,9 +100,10 @@ class KVSender(abc.ABC):
             self.state, self._started = TransferState.TRANSFERRING, time.perf_counter()
         try:
             self._send(layer, piece, keys, values)
-        except Exception:
+        except Exception as e:
             self.state = TransferState.FAILED
-            raise
+            self._error = e if isinstance(e, TransferError) else TransferError(f"sending a KV piece failed: {e!r}")
+            raise self._error from None
         self._bytes += 2 * keys.numel() * keys.element_size()
         self._pieces += 1
 
@@ -111,7 +113,7 @@ class KVSender(abc.ABC):
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         try:
             if self.state is TransferState.FAILED:
-                raise TransferError("an earlier piece failed to send")
+                raise self._error or TransferError("an earlier piece failed to send")
             self._finish(timeout_s)
         except TransferError:
             self.state = TransferState.FAILED

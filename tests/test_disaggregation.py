@@ -108,3 +108,23 @@ def test_reserving_more_than_the_cache_holds_is_refused_and_leaks_nothing(engine
     assert decode.blocks.num_used_blocks == 0  # cancelling a reservation frees it
     with pytest.raises(RequestError, match="has no reservation"):
         decode.join("r", 7)
+
+
+def test_an_engine_step_that_raises_stops_the_loop_and_fails_its_waiters(engines):
+    from engine.loop import EngineLoop
+
+    _, decode, _ = engines
+    failures = []
+    loop = EngineLoop(decode, on_output=lambda out: None, on_failure=failures.append).start()
+    loop.call(lambda: decode.add_request("r", [5, 6, 7], GREEDY))
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    decode.step = broken_step  # a fault inside the step, e.g. a kernel error
+    loop.call(lambda: None)  # wakes the loop, which then steps
+    loop._thread.join(timeout=10)
+    assert [str(e) for e in failures] == ["device lost"]
+    with pytest.raises(RuntimeError, match="the engine loop has stopped: RuntimeError\\('device lost'\\)"):
+        loop.call(lambda: None)
+    loop.stop()  # safe after a failure

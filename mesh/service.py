@@ -1,0 +1,47 @@
+"""The runtime shell every service shares: a registry heartbeat and running until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable
+
+from mesh.registry import InstanceInfo, Registry
+
+
+class Heartbeat:
+    """Registers `record()` every `interval_s` with a TTL; `stop()` deregisters (safe twice)."""
+
+    def __init__(self, registry: Registry, record: Callable[[], InstanceInfo], interval_s: float, ttl_s: float) -> None:
+        self.registry, self.record, self.interval_s, self.ttl_s = registry, record, interval_s, ttl_s
+        self._stop = threading.Event()
+        self.instance_id = record().id
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.registry.register(self.record(), self.ttl_s)
+            except Exception:  # the registry is unreachable: try again next beat; the TTL decides liveness
+                pass
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.registry.deregister(self.instance_id)
+        finally:
+            self.registry.close()
+
+
+def run_until_signalled(stop: Callable[[], None]) -> None:
+    """Block until SIGINT or SIGTERM, then call `stop`."""
+    signalled = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: signalled.set())
+    signalled.wait()
+    stop()

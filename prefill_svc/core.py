@@ -1,0 +1,107 @@
+"""The engine side of a prefill instance, testable without gRPC.
+
+`prefill(request)` queues the prompt with `max_tokens=1` and a `PlanSink`: as
+the step that completes the prompt runs, each layer's KV is cut by the plan
+and handed to one sender per decode rank; the caller's thread then waits for
+the first token and for every decode rank's acknowledgement. A transfer that
+fails or times out is reported as `kv_ok=False` (decode then recomputes) —
+the request itself does not fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.core import EngineCore, StepOutput
+from engine.loop import EngineLoop
+from engine.sampler import SamplingParams, TokenLogprobs
+from kvtransfer.plan import DecodeLayout
+from kvtransfer.sink import PlanSink
+from kvtransfer.transport import KVSender, TransferError, TransferStats
+
+SenderFactory = Callable[[str, str, int], KVSender]  # (decode rank address, request id, decode rank)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first_token: int
+    logprobs: TokenLogprobs | None
+    kv_ok: bool
+    kv_error: str
+    transfer: TransferStats | None
+    cached_tokens: int
+    prefill_seconds: float
+
+
+class PrefillCore:
+    def __init__(self, engine: EngineCore, connect: SenderFactory, *, transfer_timeout_s: float = 60.0) -> None:
+        self.engine, self.connect, self.transfer_timeout_s = engine, connect, transfer_timeout_s
+        self.total_requests = 0
+        self._waiting: dict[str, Future] = {}
+        self._loop = EngineLoop(engine, self._deliver, name="prefill-engine", on_failure=self._fail_waiting)
+
+    def start(self) -> "PrefillCore":
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.stop(on_stop=self._abort_all)
+        self.engine.close()
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: DecodeLayout,
+                addresses: list[str]) -> PrefillResult:
+        started = time.perf_counter()
+        sink = PlanSink(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
+                        block_size=self.engine.config.block_size, target=target,
+                        senders=[self.connect(address, request_id, rank) for rank, address in enumerate(addresses)])
+        first: Future = Future()
+
+        def add():
+            seq = self.engine.add_request(request_id, prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink)
+            self._waiting[request_id] = first
+            self.total_requests += 1
+            return seq
+
+        seq = self._loop.call(add)
+        out: StepOutput = first.result()
+        prefill_seconds = time.perf_counter() - started
+        try:
+            stats, error = sink.finish(self.transfer_timeout_s), ""
+        except TransferError as e:
+            stats, error = None, str(e)
+        return PrefillResult(first_token=out.new_token_ids[0], logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+                             kv_ok=not error, kv_error=error, transfer=stats,
+                             cached_tokens=seq.num_cached_prompt_tokens, prefill_seconds=prefill_seconds)
+
+    def cancel(self, request_id: str) -> bool:
+        def run():
+            found = self.engine.abort(request_id)
+            waiting = self._waiting.pop(request_id, None)
+            if waiting is not None:
+                waiting.set_exception(RuntimeError(f"request {request_id!r} was cancelled"))
+            return found
+
+        return self._loop.call(run)
+
+    def status(self) -> dict[str, int]:
+        blocks = self.engine.blocks
+        return {"active_requests": len(self._waiting), "total_requests": self.total_requests,
+                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
+
+    def _deliver(self, out: StepOutput) -> None:
+        waiting = self._waiting.pop(out.request_id, None)
+        if waiting is not None and out.new_token_ids:
+            waiting.set_result(out)
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        for request_id in list(self._waiting):
+            self._waiting.pop(request_id).set_exception(RuntimeError(f"the prefill engine failed: {error!r}"))
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._waiting):
+            self.engine.abort(request_id)
+            self._waiting.pop(request_id).set_exception(RuntimeError("the prefill instance stopped"))

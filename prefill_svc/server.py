@@ -1,0 +1,156 @@
+"""The gRPC shell of a prefill instance: Prefill (prompt in, KV pushed to the decode target layer by
+layer, first token out), Cancel, Admin status, health and reflection; registered with a heartbeat.
+
+    python -m prefill_svc.server --port 0 --model smollm2-135m [--registry ...] [--trace ...]
+
+A failed KV transfer is not an error of the call: the response says KV_STATUS_FAILED with the reason
+and decode recomputes. Bad sampling or prompt -> INVALID_ARGUMENT; an unsupported transport ->
+FAILED_PRECONDITION; cancelled -> CANCELLED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import uuid
+
+import grpc
+
+from engine.core import EngineConfig, EngineCore, RequestError
+from engine.parallel.context import ParallelConfig
+from engine.sampler import SamplingParams
+from engine.weights import load_checkpoint
+from kvtransfer.grpc_stream import GrpcStreamSender
+from kvtransfer.plan import DecodeLayout
+from mesh import rpc
+from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
+from mesh.service import Heartbeat, run_until_signalled
+from mesh.settings import PrefillSettings, load, parse_flags
+from mesh.telemetry import server_span
+from prefill_svc.core import PrefillCore
+from protos.convert import logprobs_message, sampling_kwargs
+from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+
+
+class ChannelPool:
+    """One gRPC channel per decode rank address, reused across requests."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def sender(self, address: str, request_id: str, rank: int) -> GrpcStreamSender:
+        with self._lock:
+            ch = self._channels.get(address) or self._channels.setdefault(address, rpc.channel(address))
+        return GrpcStreamSender(ch, request_id, rank)
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+
+
+class PrefillService(internal_pb2_grpc.PrefillServicer):
+    def __init__(self, core: PrefillCore, cp: int) -> None:
+        self.core, self.cp = core, cp
+
+    def Prefill(self, request, context):
+        rid = request.request_id
+        with server_span(context, "prefill.run", request_id=rid, tokens=len(request.prompt_token_ids),
+                         cp_size=self.cp) as span:
+            target = request.target
+            if target.transport != internal_pb2.KV_TRANSPORT_GRPC_STREAM:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill instance pushes KV over "
+                              f"KV_TRANSPORT_GRPC_STREAM only, got {internal_pb2.KVTransport.Name(target.transport)}")
+            try:
+                params = SamplingParams(**sampling_kwargs(request.sampling))
+                layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges),
+                                      block_size=target.block_size, block_table=tuple(target.block_table),
+                                      first_token=target.first_token)
+                if len(target.addresses) != len(layout.head_ranges):
+                    raise ValueError(f"target has {len(target.addresses)} addresses for {len(layout.head_ranges)} ranks")
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            done = threading.Event()
+            context.add_callback(lambda: done.is_set() or self.core.cancel(rid))  # the caller gave up
+            try:
+                result = self.core.prefill(rid, list(request.prompt_token_ids), params, layout, list(target.addresses))
+                done.set()
+            except RequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:
+                context.abort(grpc.StatusCode.CANCELLED if "cancelled" in str(e) else grpc.StatusCode.UNAVAILABLE, str(e))
+            stats = result.transfer
+            span.set_attributes({"cached_tokens": result.cached_tokens, "cp_method": "none (cp=1)",
+                                 "kv_bytes": stats.bytes if stats else 0, "kv_ok": result.kv_ok})
+            return internal_pb2.PrefillResponse(
+                first_token_id=result.first_token,
+                first_logprobs=logprobs_message(result.logprobs) if result.logprobs else None,
+                cp_method=internal_pb2.CP_METHOD_UNSPECIFIED, cp_reason="cp=1: one rank",
+                cached_tokens=result.cached_tokens,
+                kv_status=internal_pb2.KV_STATUS_READY if result.kv_ok else internal_pb2.KV_STATUS_FAILED,
+                kv_bytes=stats.bytes if stats else 0, kv_seconds=stats.seconds if stats else 0.0,
+                prefill_seconds=result.prefill_seconds)
+
+    def Cancel(self, request, context):
+        return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))
+
+
+class AdminService(internal_pb2_grpc.AdminServicer):
+    def __init__(self, record) -> None:
+        self.record = record
+
+    def Status(self, request, context):
+        info = self.record()
+        return internal_pb2.InstanceStatus(
+            id=info.id, role=common_pb2.ROLE_PREFILL, address=info.address, pid=info.pid, model=info.model,
+            parallel=common_pb2.ParallelLayout(**info.parallel), state=common_pb2.INSTANCE_STATE_SERVING,
+            active_requests=info.active_requests, total_requests=info.total_requests,
+            kv_blocks_used=info.kv_blocks_used, kv_blocks_total=info.kv_blocks_total)
+
+
+class PrefillInstance:
+    """A running prefill instance: engine thread, gRPC server, registry heartbeat. `stop()` is safe twice."""
+
+    def __init__(self, settings: PrefillSettings, instance_id: str | None = None) -> None:
+        self.settings = s = settings
+        if s.cp != 1:
+            raise ValueError(f"cp={s.cp}: pushing KV from a context-parallel prefill instance is not supported yet")
+        self.id = instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
+                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
+        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
+                            ParallelConfig(cp=s.cp, cp_method=s.cp_method))
+        self.channels = ChannelPool()
+        self.core = PrefillCore(engine, self.channels.sender).start()
+        self.server, port, self.health = rpc.start_server(s.host, s.port, [
+            (internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self.core, s.cp), "infermesh.v1.Prefill"),
+            (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self._record), "infermesh.v1.Admin"),
+        ])
+        self.address = f"{s.host}:{port}"
+        self.info = InstanceInfo(id=self.id, role=Role.PREFILL, address=self.address, pid=os.getpid(), model=s.model,
+                                 parallel={"tp": 1, "cp": s.cp, "ep": 1}, state=InstanceState.SERVING)
+        self.heartbeat = Heartbeat(connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self._stopped = False
+
+    def _record(self) -> InstanceInfo:
+        return dataclasses.replace(self.info, **self.core.status())
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.heartbeat.stop()
+        self.server.stop(grace=None)
+        self.core.stop()
+        self.channels.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    instance = PrefillInstance(load(PrefillSettings, parse_flags(PrefillSettings, argv)))
+    print(f"prefill {instance.id} serving on {instance.address}", flush=True)
+    run_until_signalled(instance.stop)
+
+
+if __name__ == "__main__":
+    main()
