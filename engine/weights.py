@@ -70,17 +70,21 @@ def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32) -> Ch
 # ---- Hugging Face folders ----------------------------------------------------------------
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
-    from safetensors import safe_open
-    from safetensors import SafetensorError
-
+def _hf_config(folder: Path) -> ModelConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsError(f"{folder} has no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        return ModelConfig.from_hf(json.loads(config_path.read_text()))
     except json.JSONDecodeError as e:
         raise WeightsError(f"{config_path} is not valid JSON: {e}") from None
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    config = _hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -133,7 +137,8 @@ def read_gguf_metadata(reader) -> dict:
     return meta
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _gguf_header(path: Path):
+    """(reader, config, tokenizer) without touching the tensor data."""
     import gguf
 
     try:
@@ -142,7 +147,22 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise WeightsError(f"cannot read GGUF file {path}: {e}") from None
     meta = read_gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, tied="output.weight" not in names)
+    return reader, ModelConfig.from_gguf(meta, tied="output.weight" not in names), Tokenizer.from_gguf_metadata(meta)
+
+
+def load_model_info(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
+    """The config and tokenizer only, without the weights (what a router needs)."""
+    path = resolve_model(name_or_path)
+    if path.is_file():
+        _, config, tokenizer = _gguf_header(path)
+        return config, tokenizer
+    return _hf_config(path), Tokenizer.from_hf_folder(path)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    import gguf
+
+    reader, config, tokenizer = _gguf_header(path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", delay=1.0):
         try:
@@ -152,7 +172,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)  # F32 tensors view the mmap
         for name, value in _gguf_to_hf(tensor.name, array, config):
             weights[name] = torch.from_numpy(np.ascontiguousarray(value)).to(dtype)
-    return Checkpoint(config, Tokenizer.from_gguf_metadata(meta), weights, path)
+    return Checkpoint(config, tokenizer, weights, path)
 
 
 def _gguf_to_hf(name: str, array: np.ndarray, config: ModelConfig):
@@ -184,4 +204,5 @@ def _undo_llama_cpp_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # [heads, 2, half, in]
 
 
-__all__ = ["Checkpoint", "ConfigError", "DEFAULT_MODEL", "WeightsError", "load_checkpoint", "resolve_model"]
+__all__ = ["Checkpoint", "ConfigError", "DEFAULT_MODEL", "WeightsError", "load_checkpoint", "load_model_info",
+           "resolve_model"]
