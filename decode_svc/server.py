@@ -25,10 +25,10 @@ from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import DTYPES, KVTransferService
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
+from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.service import Heartbeat, run_until_signalled
 from mesh.settings import DecodeSettings, load, parse_flags
-from mesh.telemetry import server_span
+from mesh.telemetry import server_span, setup_tracing
 from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 
@@ -125,7 +125,7 @@ def _run(context, fn):
 class DecodeInstance:
     """A running decode instance: engine thread, gRPC server, registry heartbeat. `stop()` is safe twice."""
 
-    def __init__(self, settings: DecodeSettings, instance_id: str | None = None) -> None:
+    def __init__(self, settings: DecodeSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
         self.settings = s = settings
         self.id = instance_id or f"decode-{uuid.uuid4().hex[:8]}"
         config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
@@ -144,7 +144,7 @@ class DecodeInstance:
         ])
         self.address = decode.address = f"{s.host}:{port}"
         self.info = admin.info = dataclasses.replace(self.info, address=self.address)
-        self.heartbeat = Heartbeat(connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
         self._stopped = False
 
     def _record(self) -> InstanceInfo:
@@ -161,7 +161,9 @@ class DecodeInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
-    instance = DecodeInstance(load(DecodeSettings, parse_flags(DecodeSettings, argv)))
+    settings = load(DecodeSettings, parse_flags(DecodeSettings, argv))
+    setup_tracing(settings.trace, "decode")
+    instance = DecodeInstance(settings)
     print(f"decode {instance.id} serving on {instance.address}", flush=True)
     run_until_signalled(instance.stop)
 

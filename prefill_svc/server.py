@@ -24,10 +24,10 @@ from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
+from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.service import Heartbeat, run_until_signalled
 from mesh.settings import PrefillSettings, load, parse_flags
-from mesh.telemetry import server_span
+from mesh.telemetry import server_span, setup_tracing
 from prefill_svc.core import PrefillCore
 from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -112,7 +112,7 @@ class AdminService(internal_pb2_grpc.AdminServicer):
 class PrefillInstance:
     """A running prefill instance: engine thread, gRPC server, registry heartbeat. `stop()` is safe twice."""
 
-    def __init__(self, settings: PrefillSettings, instance_id: str | None = None) -> None:
+    def __init__(self, settings: PrefillSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
         self.settings = s = settings
         if s.cp != 1:
             raise ValueError(f"cp={s.cp}: pushing KV from a context-parallel prefill instance is not supported yet")
@@ -130,7 +130,7 @@ class PrefillInstance:
         self.address = f"{s.host}:{port}"
         self.info = InstanceInfo(id=self.id, role=Role.PREFILL, address=self.address, pid=os.getpid(), model=s.model,
                                  parallel={"tp": 1, "cp": s.cp, "ep": 1}, state=InstanceState.SERVING)
-        self.heartbeat = Heartbeat(connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
         self._stopped = False
 
     def _record(self) -> InstanceInfo:
@@ -147,7 +147,9 @@ class PrefillInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
-    instance = PrefillInstance(load(PrefillSettings, parse_flags(PrefillSettings, argv)))
+    settings = load(PrefillSettings, parse_flags(PrefillSettings, argv))
+    setup_tracing(settings.trace, "prefill")
+    instance = PrefillInstance(settings)
     print(f"prefill {instance.id} serving on {instance.address}", flush=True)
     run_until_signalled(instance.stop)
 

@@ -1,0 +1,185 @@
+"""The router: the public `infermesh.v1.Inference` API. Tokenizes, routes, and streams tokens back.
+
+For each request: pick a decode instance and decide where to prefill (router.policy);
+disaggregated, it calls Reserve on decode, Prefill on the prefill instance (which
+pushes the KV to decode), then Decode; otherwise Decode with prefill_locally.
+Every hop gets the caller's deadline and the W3C trace context; when the client
+cancels or its deadline passes, the downstream stream is cancelled and the decode
+instance frees the request's blocks.
+
+    python -m router.server --port 8000 --model smollm2-135m --registry redis://127.0.0.1:6379
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+
+import grpc
+
+from engine.block_manager import prefix_hashes
+from engine.sampler import SamplingParams
+from engine.weights import load_model_info
+from mesh import rpc
+from mesh.registry import Registry, Role, connect_registry
+from mesh.service import run_until_signalled
+from mesh.settings import RouterSettings, load, parse_flags
+from mesh.telemetry import outgoing_metadata, server_span, setup_tracing, tracer
+from protos.convert import sampling_kwargs
+from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+from router.policy import NoInstance, route
+
+
+class Stubs:
+    """gRPC stubs per instance address, on channels reused across requests."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = rpc.channel(address)
+            return self._channels[address]
+
+    def decode(self, address: str) -> internal_pb2_grpc.DecodeStub:
+        return internal_pb2_grpc.DecodeStub(self._channel(address))
+
+    def prefill(self, address: str) -> internal_pb2_grpc.PrefillStub:
+        return internal_pb2_grpc.PrefillStub(self._channel(address))
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+
+
+class RouterService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, settings: RouterSettings, registry: Registry) -> None:
+        self.settings, self.registry = settings, registry
+        self.config, self.tokenizer = load_model_info(settings.model)
+        self.stubs = Stubs()
+        self._turns = itertools.count()
+        self.block_size = 16  # the engines' default; prefix hits count blocks of this size
+
+    def ListModels(self, request, context):
+        cfg = self.config
+        return inference_pb2.ListModelsResponse(models=[inference_pb2.ModelCard(
+            id=self.settings.model, architecture=cfg.architecture, max_model_len=cfg.max_model_len,
+            vocab_size=cfg.vocab_size)])
+
+    def Generate(self, request, context):
+        if request.HasField("token_ids"):
+            ids = list(request.token_ids.ids)
+        elif request.text:
+            ids = self.tokenizer.encode(request.text)
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text or token_ids (neither was set)")
+        yield from self._serve(ids, request.sampling, request.request_id, context)
+
+    def Chat(self, request, context):
+        if not request.messages:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
+        try:
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {e}")
+        yield from self._serve(ids, request.sampling, request.request_id, context)
+
+    def _serve(self, ids: list[int], sampling, request_id: str, context):
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        started = time.monotonic()
+        try:
+            SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if not ids:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+        with server_span(context, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
+            with tracer().start_as_current_span("router.route") as route_span:
+                try:
+                    chosen = route(prompt_tokens=len(ids), decodes=self.registry.instances(Role.DECODE),
+                                   prefills=self.registry.instances(Role.PREFILL), policy=self.settings.policy,
+                                   turn=next(self._turns), prefix_hits=self.registry.prefix_hits(
+                                       prefix_hashes(ids, self.block_size)),
+                                   block_size=self.block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
+                except NoInstance as e:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                route_span.set_attributes({"decode": chosen.decode.id, "prefill": chosen.prefill.id if chosen.prefill else "",
+                                           "reason": chosen.reason})
+            timeout = self._remaining(context)
+            metadata = outgoing_metadata()
+            decode = self.stubs.decode(chosen.decode.address)
+            try:
+                if chosen.prefill is None:
+                    request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                                         sampling=sampling)
+                else:
+                    request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, timeout)
+                responses = decode.Decode(request, timeout=self._remaining(context), metadata=metadata)
+                context.add_callback(responses.cancel)  # the client left: stop the work downstream
+                first_at = None
+                for response in responses:
+                    if response.HasField("delta"):
+                        first_at = first_at or time.monotonic()
+                        yield response
+                    else:
+                        final = response.final
+                        end = time.monotonic()
+                        final.request_id = rid
+                        final.prompt_token_ids[:] = ids
+                        tokens = final.usage.completion_tokens
+                        final.timings.CopyFrom(common_pb2.Timings(
+                            ttft_s=(first_at or end) - started, total_s=end - started,
+                            tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
+                        span.set_attribute("completion_tokens", tokens)
+                        yield response
+            except grpc.RpcError as e:
+                context.abort(e.code(), f"{chosen.decode.id}: {e.details()}")
+
+    def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
+        target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+                                timeout=timeout, metadata=metadata).target
+        try:
+            done = self.stubs.prefill(chosen.prefill.address).Prefill(internal_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling, target=target), timeout=timeout, metadata=metadata)
+        except grpc.RpcError:  # the prefill instance failed: decode recomputes the prompt in its reservation
+            return internal_pb2.DecodeRequest(request_id=rid, kv_status=internal_pb2.KV_STATUS_FAILED)
+        return internal_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id, kv_status=done.kv_status)
+
+    def _remaining(self, context) -> float:
+        remaining = context.time_remaining()
+        return min(remaining, self.settings.request_timeout_s) if remaining is not None else self.settings.request_timeout_s
+
+
+class RouterInstance:
+    def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
+        self.settings = settings
+        self.registry = registry or connect_registry(settings.registry)
+        self.service = RouterService(settings, self.registry)
+        self.server, port, self.health = rpc.start_server(settings.host, settings.port, [
+            (inference_pb2_grpc.add_InferenceServicer_to_server, self.service, "infermesh.v1.Inference")])
+        self.address = f"{settings.host}:{port}"
+        self._stopped = False
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.server.stop(grace=None)
+        self.service.stubs.close()
+        self.registry.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load(RouterSettings, parse_flags(RouterSettings, argv))
+    setup_tracing(settings.trace, "router")
+    instance = RouterInstance(settings)
+    print(f"router serving on {instance.address}", flush=True)
+    run_until_signalled(instance.stop)
+
+
+if __name__ == "__main__":
+    main()

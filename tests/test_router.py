@@ -1,0 +1,120 @@
+"""Router + prefill + decode over real gRPC (one process, shared in-memory registry): streamed tokens equal
+the single engine's for concurrent requests of mixed lengths, taking both sides of conditional
+disaggregation; cancellation reaches decode; bad input and missing instances get clear status codes."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from decode_svc.server import DecodeInstance
+from engine import LLM, SamplingParams
+from mesh.registry import MemoryRegistry, Role
+from mesh.rpc import channel
+from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
+from prefill_svc.server import PrefillInstance
+from protos.convert import sampling_message
+from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+from router.server import RouterInstance
+from tests.conftest import TINY_VOCAB
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    registry = MemoryRegistry()
+    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22, block_size=16)
+    prefill = PrefillInstance(PrefillSettings(**common), registry=registry)
+    decode = DecodeInstance(DecodeSettings(**common), registry=registry)
+    router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20), registry=registry)
+    deadline = time.monotonic() + 30
+    while len(registry.instances()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield router, prefill, decode, registry, LLM(str(folder), dtype="float32")
+    for instance in (router, prefill, decode):
+        instance.stop()
+
+
+def generate(address: str, prompt: list[int], params: SamplingParams = GREEDY, **kwargs):
+    stub = inference_pb2_grpc.InferenceStub(channel(address))
+    deltas, final = [], None
+    for r in stub.Generate(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=prompt),
+                                                         sampling=sampling_message(params)), timeout=120, **kwargs):
+        if r.HasField("delta"):
+            deltas.append(list(r.delta.token_ids))
+        else:
+            final = r.final
+    return [t for d in deltas for t in d], final
+
+
+def test_sixteen_concurrent_requests_equal_the_single_engine_both_ways(mesh):
+    router, prefill, _, _, reference = mesh
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in [3, 9, 15, 40, 64, 90, 7, 33] * 2]
+    expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    before = prefill.core.total_requests
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: generate(router.address, p), prompts))
+    assert [tokens for tokens, _ in results] == expected
+    long_prompts = sum(len(p) > 20 for p in prompts)  # the rest were prefilled on decode
+    assert prefill.core.total_requests - before == long_prompts
+    final = results[4][1]
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and list(final.prompt_token_ids) == prompts[4]
+    assert final.usage.completion_tokens == 6 and final.timings.total_s >= final.timings.ttft_s > 0
+
+
+def test_chat_applies_the_template_and_list_models_names_the_model(mesh):
+    router, _, _, _, reference = mesh
+    stub = inference_pb2_grpc.InferenceStub(channel(router.address))
+    messages = [{"role": "user", "content": "hello world"}]
+    tokens = [t for r in stub.Chat(inference_pb2.ChatRequest(
+        messages=[inference_pb2.ChatMessage(**m) for m in messages], sampling=sampling_message(GREEDY)), timeout=60)
+        if r.HasField("delta") for t in r.delta.token_ids]
+    assert tokens == reference.chat(messages, GREEDY)[0].token_ids
+    (card,) = stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models
+    assert card.architecture == "llama" and card.vocab_size == TINY_VOCAB
+
+
+def test_a_client_that_cancels_frees_the_blocks_on_decode(mesh):
+    router, _, decode, _, _ = mesh
+    admin = internal_pb2_grpc.AdminStub(channel(decode.address))
+    stub = inference_pb2_grpc.InferenceStub(channel(router.address))
+    call = stub.Generate(inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=[5] * 50),
+        sampling=sampling_message(SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))))
+    assert next(call).delta.token_ids  # streaming has begun
+    call.cancel()
+    deadline = time.monotonic() + 30
+    while admin.Status(internal_pb2.StatusRequest()).kv_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert admin.Status(internal_pb2.StatusRequest()).kv_blocks_used == 0
+
+
+def test_bad_input_and_missing_instances_get_clear_codes(mesh, tiny_checkpoint):
+    router, _, _, _, _ = mesh
+    stub = inference_pb2_grpc.InferenceStub(channel(router.address))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(inference_pb2.GenerateRequest(), timeout=10))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(inference_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(top_p=2)),
+                           timeout=10))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[TINY_VOCAB])), timeout=10))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.details()
+    folder, _ = tiny_checkpoint("llama")
+    lonely = RouterInstance(RouterSettings(model=str(folder)), registry=MemoryRegistry())
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(inference_pb2_grpc.InferenceStub(channel(lonely.address)).Generate(
+                inference_pb2.GenerateRequest(text="hi"), timeout=10))
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "no decode instance is serving" in e.value.details()
+    finally:
+        lonely.stop()
