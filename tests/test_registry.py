@@ -9,10 +9,20 @@ import pytest
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "grpc"])
 def registry(request):
     if request.param == "memory":
         reg = connect_registry("memory")
+    elif request.param == "grpc":  # a memory registry served over gRPC, as `infermesh up` does
+        from mesh.registry.memory import MemoryRegistry
+        from mesh.registry.remote import RegistryService
+        from mesh.rpc import start_server
+        from protos.infermesh.v1 import internal_pb2_grpc
+
+        server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_RegistryServicer_to_server,
+                                                         RegistryService(MemoryRegistry()), "infermesh.v1.Registry")])
+        request.addfinalizer(lambda: server.stop(None))
+        reg = connect_registry(f"grpc://127.0.0.1:{port}")
     else:
         url = request.getfixturevalue("redis_url")
         reg = connect_registry(url)
@@ -73,5 +83,5 @@ def test_prefix_hits_count_leading_blocks_held(registry):
 
 
 def test_a_bad_registry_spec_is_refused():
-    with pytest.raises(ValueError, match="registry must be 'memory' or 'redis://HOST:PORT', got 'etcd://x'"):
+    with pytest.raises(ValueError, match="registry must be 'memory', 'redis://HOST:PORT' or 'grpc://HOST:PORT', got 'etcd://x'"):
         connect_registry("etcd://x")

@@ -7,11 +7,15 @@ __all__ = ["InstanceInfo", "InstanceState", "Registry", "Role", "MemoryRegistry"
 
 
 def connect_registry(spec: str) -> Registry:
-    """`memory` or `redis://HOST:PORT[/DB]`."""
+    """`memory` (this process only), `redis://HOST:PORT[/DB]`, or `grpc://HOST:PORT` (a served memory registry)."""
     if spec == "memory":
         return MemoryRegistry()
+    if spec.startswith("grpc://"):
+        from mesh.registry.remote import GrpcRegistry
+
+        return GrpcRegistry(spec.removeprefix("grpc://"))
     if spec.startswith("redis://"):
         from mesh.registry.redis import RedisRegistry
 
         return RedisRegistry(spec)
-    raise ValueError(f"registry must be 'memory' or 'redis://HOST:PORT', got {spec!r}")
+    raise ValueError(f"registry must be 'memory', 'redis://HOST:PORT' or 'grpc://HOST:PORT', got {spec!r}")

@@ -26,21 +26,23 @@ from protos.infermesh.v1 import common_pb2 as protos_dot_infermesh_dot_v1_dot_co
 from protos.infermesh.v1 import inference_pb2 as protos_dot_infermesh_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/infermesh/v1/internal.proto\x12\x0cinfermesh.v1\x1a protos/infermesh/v1/common.proto\x1a#protos/infermesh/v1/inference.proto\"\'\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\xee\x01\n\x08KVTarget\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\x12\x11\n\taddresses\x18\x03 \x03(\t\x12,\n\x0bhead_ranges\x18\x04 \x03(\x0b\x32\x17.infermesh.v1.HeadRange\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\x12\"\n\x05\x64type\x18\x08 \x01(\x0e\x32\x13.infermesh.v1.DType\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\"9\n\x0fReserveResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12&\n\x06target\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\x9d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12)\n\tcp_method\x18\x03 \x01(\x0e\x32\x16.infermesh.v1.CPMethod\x12\x11\n\tcp_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nkv_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\"\xa6\x01\n\x07KVPiece\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\"\n\x05\x64type\x18\x06 \x01(\x0e\x32\x13.infermesh.v1.DType\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\"-\n\x0cPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06pieces\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xa9\x02\n\x0eInstanceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.infermesh.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12.\n\x08parallel\x18\x06 \x01(\x0b\x32\x1c.infermesh.v1.ParallelLayout\x12*\n\x05state\x18\x07 \x01(\x0e\x32\x1b.infermesh.v1.InstanceState\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r\x12\x16\n\x0etotal_requests\x18\t \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r*\x85\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x01\x12\x1a\n\x16KV_TRANSPORT_TORCH_P2P\x10\x02\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x03*P\n\x08KVStatus\x12\x19\n\x15KV_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_STATUS_READY\x10\x01\x12\x14\n\x10KV_STATUS_FAILED\x10\x02*R\n\x08\x43PMethod\x12\x19\n\x15\x43P_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43P_METHOD_PASS_KV\x10\x01\x12\x14\n\x10\x43P_METHOD_PASS_Q\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xde\x01\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.infermesh.v1.ReserveRequest\x1a\x1d.infermesh.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.infermesh.v1.DecodeRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2\x96\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.infermesh.v1.PrefillRequest\x1a\x1d.infermesh.v1.PrefillResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2I\n\nKVTransfer\x12;\n\x04Push\x12\x15.infermesh.v1.KVPiece\x1a\x1a.infermesh.v1.PushResponse(\x01\x32L\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.infermesh.v1.StatusRequest\x1a\x1c.infermesh.v1.InstanceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/infermesh/v1/internal.proto\x12\x0cinfermesh.v1\x1a protos/infermesh/v1/common.proto\x1a#protos/infermesh/v1/inference.proto\"\'\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\xee\x01\n\x08KVTarget\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\x12\x11\n\taddresses\x18\x03 \x03(\t\x12,\n\x0bhead_ranges\x18\x04 \x03(\x0b\x32\x17.infermesh.v1.HeadRange\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\x12\"\n\x05\x64type\x18\x08 \x01(\x0e\x32\x13.infermesh.v1.DType\"\x9c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12,\n\ttransport\x18\x04 \x01(\x0e\x32\x19.infermesh.v1.KVTransport\"9\n\x0fReserveResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_locally\x18\x02 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12&\n\x06target\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.KVTarget\"\x9d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12)\n\tcp_method\x18\x03 \x01(\x0e\x32\x16.infermesh.v1.CPMethod\x12\x11\n\tcp_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12)\n\tkv_status\x18\x06 \x01(\x0e\x32\x16.infermesh.v1.KVStatus\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x12\n\nkv_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\"\xa6\x01\n\x07KVPiece\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_slot\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\"\n\x05\x64type\x18\x06 \x01(\x0e\x32\x13.infermesh.v1.DType\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\"-\n\x0cPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06pieces\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xbd\x02\n\x0eInstanceStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.infermesh.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12.\n\x08parallel\x18\x06 \x01(\x0b\x32\x1c.infermesh.v1.ParallelLayout\x12*\n\x05state\x18\x07 \x01(\x0e\x32\x1b.infermesh.v1.InstanceState\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r\x12\x16\n\x0etotal_requests\x18\t \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r\x12\x12\n\nrendezvous\x18\x0c \x01(\t\"P\n\x0fRegisterRequest\x12.\n\x08instance\x18\x01 \x01(\x0b\x32\x1c.infermesh.v1.InstanceStatus\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\x1f\n\x11\x44\x65registerRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\r\n\x0bRegistryAck\"8\n\x14ListInstancesRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.infermesh.v1.Role\"H\n\x15ListInstancesResponse\x12/\n\tinstances\x18\x01 \x03(\x0b\x32\x1c.infermesh.v1.InstanceStatus\"B\n\x15SetBlockHashesRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\"\n\x11PrefixHitsRequest\x12\r\n\x05\x63hain\x18\x01 \x03(\x06\"{\n\x12PrefixHitsResponse\x12\x38\n\x04hits\x18\x01 \x03(\x0b\x32*.infermesh.v1.PrefixHitsResponse.HitsEntry\x1a+\n\tHitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x85\x01\n\x0bKVTransport\x12\x1c\n\x18KV_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_TRANSPORT_GRPC_STREAM\x10\x01\x12\x1a\n\x16KV_TRANSPORT_TORCH_P2P\x10\x02\x12\x1e\n\x1aKV_TRANSPORT_SHARED_MEMORY\x10\x03*P\n\x08KVStatus\x12\x19\n\x15KV_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_STATUS_READY\x10\x01\x12\x14\n\x10KV_STATUS_FAILED\x10\x02*R\n\x08\x43PMethod\x12\x19\n\x15\x43P_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43P_METHOD_PASS_KV\x10\x01\x12\x14\n\x10\x43P_METHOD_PASS_Q\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xde\x01\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.infermesh.v1.ReserveRequest\x1a\x1d.infermesh.v1.ReserveResponse\x12G\n\x06\x44\x65\x63ode\x12\x1b.infermesh.v1.DecodeRequest\x1a\x1e.infermesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2\x96\x01\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.infermesh.v1.PrefillRequest\x1a\x1d.infermesh.v1.PrefillResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.infermesh.v1.CancelRequest\x1a\x1c.infermesh.v1.CancelResponse2I\n\nKVTransfer\x12;\n\x04Push\x12\x15.infermesh.v1.KVPiece\x1a\x1a.infermesh.v1.PushResponse(\x01\x32\xa6\x01\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.infermesh.v1.StatusRequest\x1a\x1c.infermesh.v1.InstanceStatus\x12X\n\rListInstances\x12\".infermesh.v1.ListInstancesRequest\x1a#.infermesh.v1.ListInstancesResponse2\x97\x03\n\x08Registry\x12\x44\n\x08Register\x12\x1d.infermesh.v1.RegisterRequest\x1a\x19.infermesh.v1.RegistryAck\x12H\n\nDeregister\x12\x1f.infermesh.v1.DeregisterRequest\x1a\x19.infermesh.v1.RegistryAck\x12X\n\rListInstances\x12\".infermesh.v1.ListInstancesRequest\x1a#.infermesh.v1.ListInstancesResponse\x12P\n\x0eSetBlockHashes\x12#.infermesh.v1.SetBlockHashesRequest\x1a\x19.infermesh.v1.RegistryAck\x12O\n\nPrefixHits\x12\x1f.infermesh.v1.PrefixHitsRequest\x1a .infermesh.v1.PrefixHitsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.infermesh.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSPORT']._serialized_start=1872
-  _globals['_KVTRANSPORT']._serialized_end=2005
-  _globals['_KVSTATUS']._serialized_start=2007
-  _globals['_KVSTATUS']._serialized_end=2087
-  _globals['_CPMETHOD']._serialized_start=2089
-  _globals['_CPMETHOD']._serialized_end=2171
-  _globals['_DTYPE']._serialized_start=2173
-  _globals['_DTYPE']._serialized_end=2261
+  _globals['_PREFIXHITSRESPONSE_HITSENTRY']._loaded_options = None
+  _globals['_PREFIXHITSRESPONSE_HITSENTRY']._serialized_options = b'8\001'
+  _globals['_KVTRANSPORT']._serialized_start=2383
+  _globals['_KVTRANSPORT']._serialized_end=2516
+  _globals['_KVSTATUS']._serialized_start=2518
+  _globals['_KVSTATUS']._serialized_end=2598
+  _globals['_CPMETHOD']._serialized_start=2600
+  _globals['_CPMETHOD']._serialized_end=2682
+  _globals['_DTYPE']._serialized_start=2684
+  _globals['_DTYPE']._serialized_end=2772
   _globals['_HEADRANGE']._serialized_start=123
   _globals['_HEADRANGE']._serialized_end=162
   _globals['_KVTARGET']._serialized_start=165
@@ -66,13 +68,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=1554
   _globals['_STATUSREQUEST']._serialized_end=1569
   _globals['_INSTANCESTATUS']._serialized_start=1572
-  _globals['_INSTANCESTATUS']._serialized_end=1869
-  _globals['_DECODE']._serialized_start=2264
-  _globals['_DECODE']._serialized_end=2486
-  _globals['_PREFILL']._serialized_start=2489
-  _globals['_PREFILL']._serialized_end=2639
-  _globals['_KVTRANSFER']._serialized_start=2641
-  _globals['_KVTRANSFER']._serialized_end=2714
-  _globals['_ADMIN']._serialized_start=2716
-  _globals['_ADMIN']._serialized_end=2792
+  _globals['_INSTANCESTATUS']._serialized_end=1889
+  _globals['_REGISTERREQUEST']._serialized_start=1891
+  _globals['_REGISTERREQUEST']._serialized_end=1971
+  _globals['_DEREGISTERREQUEST']._serialized_start=1973
+  _globals['_DEREGISTERREQUEST']._serialized_end=2004
+  _globals['_REGISTRYACK']._serialized_start=2006
+  _globals['_REGISTRYACK']._serialized_end=2019
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=2021
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=2077
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=2079
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=2151
+  _globals['_SETBLOCKHASHESREQUEST']._serialized_start=2153
+  _globals['_SETBLOCKHASHESREQUEST']._serialized_end=2219
+  _globals['_PREFIXHITSREQUEST']._serialized_start=2221
+  _globals['_PREFIXHITSREQUEST']._serialized_end=2255
+  _globals['_PREFIXHITSRESPONSE']._serialized_start=2257
+  _globals['_PREFIXHITSRESPONSE']._serialized_end=2380
+  _globals['_PREFIXHITSRESPONSE_HITSENTRY']._serialized_start=2337
+  _globals['_PREFIXHITSRESPONSE_HITSENTRY']._serialized_end=2380
+  _globals['_DECODE']._serialized_start=2775
+  _globals['_DECODE']._serialized_end=2997
+  _globals['_PREFILL']._serialized_start=3000
+  _globals['_PREFILL']._serialized_end=3150
+  _globals['_KVTRANSFER']._serialized_start=3152
+  _globals['_KVTRANSFER']._serialized_end=3225
+  _globals['_ADMIN']._serialized_start=3228
+  _globals['_ADMIN']._serialized_end=3394
+  _globals['_REGISTRY']._serialized_start=3397
+  _globals['_REGISTRY']._serialized_end=3804
 # @@protoc_insertion_point(module_scope)

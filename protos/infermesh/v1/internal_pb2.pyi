@@ -190,7 +190,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total")
+    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class InstanceStatus(_message.Message):
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.Role
     address: str
@@ -213,4 +214,64 @@ class InstanceStatus(_message.Message):
     total_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    rendezvous: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("instance", "ttl_s")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    instance: InstanceStatus
+    ttl_s: float
+    def __init__(self, instance: _Optional[_Union[InstanceStatus, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class RegistryAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.Role
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ...) -> None: ...
+
+class SetBlockHashesRequest(_message.Message):
+    __slots__ = ("id", "hashes", "ttl_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    def __init__(self, id: _Optional[str] = ..., hashes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PrefixHitsRequest(_message.Message):
+    __slots__ = ("chain",)
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    chain: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chain: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixHitsResponse(_message.Message):
+    __slots__ = ("hits",)
+    class HitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.ScalarMap[str, int]
+    def __init__(self, hits: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -392,6 +392,11 @@ class AdminStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.FromString,
                 _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/infermesh.v1.Admin/ListInstances',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -404,6 +409,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListInstances(self, request, context):
+        """On the router: every instance of the mesh, from the registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -411,6 +423,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +458,280 @@ class Admin:
             '/infermesh.v1.Admin/Status',
             protos_dot_infermesh_dot_v1_dot_internal__pb2.StatusRequest.SerializeToString,
             protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Admin/ListInstances',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class RegistryStub:
+    """The in-memory registry of a single-host mesh, served by the `infermesh up` supervisor.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_unary(
+                '/infermesh.v1.Registry/Register',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+                _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/infermesh.v1.Registry/Deregister',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+                _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/infermesh.v1.Registry/ListInstances',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
+        self.SetBlockHashes = channel.unary_unary(
+                '/infermesh.v1.Registry/SetBlockHashes',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SetBlockHashesRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+                _registered_method=True)
+        self.PrefixHits = channel.unary_unary(
+                '/infermesh.v1.Registry/PrefixHits',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.FromString,
+                _registered_method=True)
+
+
+class RegistryServicer:
+    """The in-memory registry of a single-host mesh, served by the `infermesh up` supervisor.
+    """
+
+    def Register(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstances(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetBlockHashes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefixHits(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegisterRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DeregisterRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'SetBlockHashes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetBlockHashes,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SetBlockHashesRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.SerializeToString,
+            ),
+            'PrefixHits': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixHits,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'infermesh.v1.Registry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('infermesh.v1.Registry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Registry:
+    """The in-memory registry of a single-host mesh, served by the `infermesh up` supervisor.
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/Register',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.RegisterRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/Deregister',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.DeregisterRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/ListInstances',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetBlockHashes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/SetBlockHashes',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.SetBlockHashesRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.RegistryAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixHits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/PrefixHits',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,86 @@
+"""The in-memory registry shared over gRPC: the `infermesh up` supervisor serves a `MemoryRegistry`
+(`RegistryService`), every process of the mesh reaches it with `GrpcRegistry` (spec `grpc://HOST:PORT`)."""
+
+from __future__ import annotations
+
+import grpc
+
+from mesh.registry.base import InstanceInfo, InstanceState, Registry, Role
+from mesh.registry.memory import MemoryRegistry
+from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+
+ROLES = {Role.ROUTER: common_pb2.ROLE_ROUTER, Role.PREFILL: common_pb2.ROLE_PREFILL,
+         Role.DECODE: common_pb2.ROLE_DECODE, Role.EXPERT: common_pb2.ROLE_EXPERT}
+STATES = {InstanceState.STARTING: common_pb2.INSTANCE_STATE_STARTING,
+          InstanceState.SERVING: common_pb2.INSTANCE_STATE_SERVING,
+          InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING}
+
+
+def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
+    return internal_pb2.InstanceStatus(
+        id=info.id, role=ROLES[info.role], address=info.address, pid=info.pid, model=info.model,
+        parallel=common_pb2.ParallelLayout(**info.parallel), state=STATES[info.state],
+        active_requests=info.active_requests, total_requests=info.total_requests, kv_blocks_used=info.kv_blocks_used,
+        kv_blocks_total=info.kv_blocks_total, rendezvous=info.rendezvous)
+
+
+def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
+    return InstanceInfo(
+        id=m.id, role={v: k for k, v in ROLES.items()}[m.role], address=m.address, pid=m.pid, model=m.model,
+        parallel={"tp": m.parallel.tp, "cp": m.parallel.cp, "ep": m.parallel.ep},
+        state={v: k for k, v in STATES.items()}[m.state], active_requests=m.active_requests,
+        total_requests=m.total_requests, kv_blocks_used=m.kv_blocks_used, kv_blocks_total=m.kv_blocks_total,
+        rendezvous=m.rendezvous)
+
+
+class RegistryService(internal_pb2_grpc.RegistryServicer):
+    def __init__(self, registry: MemoryRegistry) -> None:
+        self.registry = registry
+
+    def Register(self, request, context):
+        self.registry.register(from_message(request.instance), request.ttl_s)
+        return internal_pb2.RegistryAck()
+
+    def Deregister(self, request, context):
+        self.registry.deregister(request.id)
+        return internal_pb2.RegistryAck()
+
+    def ListInstances(self, request, context):
+        role = None if request.role == common_pb2.ROLE_UNSPECIFIED else {v: k for k, v in ROLES.items()}[request.role]
+        return internal_pb2.ListInstancesResponse(instances=[to_message(i) for i in self.registry.instances(role)])
+
+    def SetBlockHashes(self, request, context):
+        self.registry.set_block_hashes(request.id, set(request.hashes), request.ttl_s)
+        return internal_pb2.RegistryAck()
+
+    def PrefixHits(self, request, context):
+        return internal_pb2.PrefixHitsResponse(hits=self.registry.prefix_hits(list(request.chain)))
+
+
+class GrpcRegistry(Registry):
+    TIMEOUT_S = 5.0
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = internal_pb2_grpc.RegistryStub(self._channel)
+
+    def register(self, info: InstanceInfo, ttl_s: float) -> None:
+        self._stub.Register(internal_pb2.RegisterRequest(instance=to_message(info), ttl_s=ttl_s), timeout=self.TIMEOUT_S)
+
+    def deregister(self, instance_id: str) -> None:
+        self._stub.Deregister(internal_pb2.DeregisterRequest(id=instance_id), timeout=self.TIMEOUT_S)
+
+    def instances(self, role: Role | None = None) -> list[InstanceInfo]:
+        request = internal_pb2.ListInstancesRequest(role=ROLES[role] if role else common_pb2.ROLE_UNSPECIFIED)
+        return [from_message(m) for m in self._stub.ListInstances(request, timeout=self.TIMEOUT_S).instances]
+
+    def set_block_hashes(self, instance_id: str, hashes: set[int], ttl_s: float) -> None:
+        self._stub.SetBlockHashes(internal_pb2.SetBlockHashesRequest(id=instance_id, hashes=sorted(hashes), ttl_s=ttl_s),
+                                  timeout=self.TIMEOUT_S)
+
+    def prefix_hits(self, chain: list[int]) -> dict[str, int]:
+        return dict(self._stub.PrefixHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S).hits)
+
+    def close(self) -> None:
+        self._channel.close()
