@@ -13,6 +13,7 @@ instance frees the request's blocks.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -23,8 +24,9 @@ from engine.block_manager import prefix_hashes
 from engine.sampler import SamplingParams
 from engine.weights import load_model_info
 from mesh import rpc
-from mesh.registry import Registry, Role, connect_registry
-from mesh.service import run_until_signalled
+from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
+from mesh.registry.remote import to_message
+from mesh.service import Heartbeat, run_until_signalled
 from mesh.settings import RouterSettings, load, parse_flags
 from mesh.telemetry import outgoing_metadata, server_span, setup_tracing, tracer
 from protos.convert import sampling_kwargs
@@ -154,23 +156,42 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
         return min(remaining, self.settings.request_timeout_s) if remaining is not None else self.settings.request_timeout_s
 
 
+class RouterAdmin(internal_pb2_grpc.AdminServicer):
+    def __init__(self, record, registry: Registry) -> None:
+        self.record, self.registry = record, registry
+
+    def Status(self, request, context):
+        return to_message(self.record())
+
+    def ListInstances(self, request, context):
+        return internal_pb2.ListInstancesResponse(instances=[to_message(i) for i in self.registry.instances()])
+
+
 class RouterInstance:
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         self.settings = settings
         self.registry = registry or connect_registry(settings.registry)
         self.service = RouterService(settings, self.registry)
+        self.id = f"router-{uuid.uuid4().hex[:8]}"
         self.server, port, self.health = rpc.start_server(settings.host, settings.port, [
-            (inference_pb2_grpc.add_InferenceServicer_to_server, self.service, "infermesh.v1.Inference")])
+            (inference_pb2_grpc.add_InferenceServicer_to_server, self.service, "infermesh.v1.Inference"),
+            (internal_pb2_grpc.add_AdminServicer_to_server, RouterAdmin(self._record, self.registry), "infermesh.v1.Admin"),
+        ])
         self.address = f"{settings.host}:{port}"
+        self.heartbeat = Heartbeat(self.registry, self._record, settings.heartbeat_s, settings.ttl_s)
         self._stopped = False
+
+    def _record(self) -> InstanceInfo:
+        return InstanceInfo(id=self.id, role=Role.ROUTER, address=self.address, pid=os.getpid(), model=self.settings.model,
+                            state=InstanceState.SERVING)
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
+        self.heartbeat.stop()
         self.server.stop(grace=None)
         self.service.stubs.close()
-        self.registry.close()
 
 
 def main(argv: list[str] | None = None) -> None:
