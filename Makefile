@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/infermesh generate --chat "$(PROMPT)"
+	$(BIN)/infermesh demo --prompt "$(PROMPT)"
 
 test: setup
 	$(BIN)/python -m pytest -q tests

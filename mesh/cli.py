@@ -10,6 +10,7 @@ exit with code 2 and a one-line message on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -46,44 +47,31 @@ def generate(
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
     cp_method: str = typer.Option("auto", help="auto | pass_kv | pass_q: how CP prefill attends."),
+    target: Optional[str] = typer.Option(None, help="HOST:PORT of a running mesh's router (else: run the engine here)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object with ids, usage and timings last."),
 ) -> None:
     """Generate text for PROMPT, streaming it as it is produced."""
-    from engine import LLM, SamplingParams
-    from engine.parallel.launcher import ParallelError
-
     if not prompt:
         _fail("prompt must not be empty")
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, ignore_eos=ignore_eos)
-        llm = LLM(model, dtype=dtype, tp=tp, cp=cp, ep=ep, cp_method=cp_method)
-    except ValueError as e:  # every engine input error (params, request, weights, config, layout) is a ValueError
-        _fail(str(e))
-    try:
-        ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else llm.tokenizer.encode(prompt)
-        start = time.monotonic()
-        first = None
-        token_ids: list[int] = []
-        text, reason = "", None
-        for delta in llm.stream(ids, params):
-            first = first or time.monotonic()
-            token_ids += delta.token_ids
-            text += delta.text
-            reason = delta.finish_reason
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-        end = time.monotonic()
-    except ValueError as e:
-        _fail(str(e))
-    except ParallelError as e:  # a rank of a parallel engine failed: its first line, exit 1
-        typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
-        raise typer.Exit(code=1)
-    finally:
-        llm.close()
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    ignore_eos=ignore_eos)
+    start = time.monotonic()
+    if target:
+        ids, deltas = _remote_stream(target, prompt, chat, sampling)
+    else:
+        ids, deltas = _local_stream(prompt, chat, sampling, model, dtype, dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method))
+    first, token_ids, text, reason = None, [], "", None
+    for delta_ids, delta_text, finish in deltas:
+        first = first or time.monotonic()
+        token_ids += delta_ids
+        text += delta_text
+        reason = finish or reason
+        sys.stdout.write(delta_text)
+        sys.stdout.flush()
+    end = time.monotonic()
     sys.stdout.write("\n")
     if as_json:
-        ttft = (first or end) - start
+        ids = ids() if callable(ids) else ids
         decode_s = end - (first or end)
         result = {
             "text": text,
@@ -91,10 +79,175 @@ def generate(
             "prompt_token_ids": ids,
             "finish_reason": reason,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(token_ids)},
-            "timings": {"ttft_s": round(ttft, 4),
+            "timings": {"ttft_s": round((first or end) - start, 4),
                         "tokens_per_s": round((len(token_ids) - 1) / decode_s, 2) if decode_s > 0 else 0.0},
         }
         sys.stdout.write(json.dumps(result) + "\n")
+
+
+def _local_stream(prompt: str, chat: bool, sampling: dict, model: str, dtype: str, parallel: dict):
+    """(prompt ids, iterator of (token ids, text, finish reason)) from an engine in this process."""
+    from engine import LLM, SamplingParams
+    from engine.parallel.launcher import ParallelError
+
+    try:
+        params = SamplingParams(**sampling)
+        llm = LLM(model, dtype=dtype, **parallel)
+    except ValueError as e:  # every engine input error (params, request, weights, config, layout) is a ValueError
+        _fail(str(e))
+    try:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else llm.tokenizer.encode(prompt)
+    except ValueError as e:
+        llm.close()
+        _fail(str(e))
+
+    def deltas():
+        try:
+            for delta in llm.stream(ids, params):
+                yield delta.token_ids, delta.text, delta.finish_reason
+        except ValueError as e:
+            _fail(str(e))
+        except ParallelError as e:  # a rank of a parallel engine failed: its first line, exit 1
+            typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
+            raise typer.Exit(code=1)
+        finally:
+            llm.close()
+
+    return ids, deltas()
+
+
+def _remote_stream(target: str, prompt: str, chat: bool, sampling: dict):
+    """The same, through a mesh's router over gRPC."""
+    import grpc
+
+    from protos.convert import FINISH_REASONS
+    from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(target))
+    params = common_pb2.SamplingParams(**sampling)
+    if chat:
+        call = stub.Chat(inference_pb2.ChatRequest(messages=[inference_pb2.ChatMessage(role="user", content=prompt)],
+                                                   sampling=params))
+    else:
+        call = stub.Generate(inference_pb2.GenerateRequest(text=prompt, sampling=params))
+    final: list = []
+    reasons = {v: k for k, v in FINISH_REASONS.items()}
+
+    def deltas():
+        try:
+            for response in call:
+                if response.HasField("delta"):
+                    yield list(response.delta.token_ids), response.delta.text, None
+                else:
+                    final.append(response.final)
+                    yield [], "", reasons.get(response.final.finish_reason)
+        except grpc.RpcError as e:
+            code = e.code()
+            message = f"{code.name}: {e.details()}"
+            if code is grpc.StatusCode.INVALID_ARGUMENT:
+                _fail(message)
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(code=1)
+
+    return (lambda: list(final[0].prompt_token_ids) if final else []), deltas()
+
+
+@app.command()
+def up(
+    model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
+    host: str = typer.Option("127.0.0.1", help="Interface every process binds."),
+    port: int = typer.Option(8000, help="The router's public port (0: any free port)."),
+    prefill: int = typer.Option(1, help="Prefill instances (0: decode instances prefill everything)."),
+    prefill_cp: int = typer.Option(1, help="Context-parallel ranks per prefill instance."),
+    decode: int = typer.Option(1, help="Decode instances."),
+    decode_tp: int = typer.Option(1, help="Tensor-parallel ranks per decode instance."),
+    registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
+    trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
+    log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
+) -> None:
+    """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
+    spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
+                decode_tp=decode_tp, registry=registry, trace=trace, dtype=dtype)
+    with _mesh(spec, log_dir) as (supervisor, stop):
+        while not stop.wait(0.5):
+            supervisor.check_children()
+
+
+@app.command()
+def demo(
+    prompt: str = typer.Option("What is the capital of France?", help="Asked as a chat message."),
+    model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
+) -> None:
+    """Start a local mesh (one prefill, one decode, a router), stream one answer through it, stop it."""
+    spec = dict(model=model, port=0, prefill=1, decode=1)
+    with _mesh(spec, None) as (supervisor, _):
+        ids, deltas = _remote_stream(supervisor.router_address, prompt, True, dict(max_tokens=128, temperature=0.0))
+        for _, text, _ in deltas:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+@contextlib.contextmanager
+def _mesh(spec: dict, log_dir: str | None):
+    """A started Supervisor and a stop event set by SIGINT/SIGTERM; everything stopped on exit."""
+    import os
+    import signal
+    import threading
+
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no fork notices from its handlers
+    from mesh.supervisor import MeshError, MeshSpec, Supervisor
+
+    try:
+        supervisor = Supervisor(MeshSpec(**spec), log_dir)
+    except ValueError as e:
+        _fail(str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        address = supervisor.start()
+        typer.echo(f"infermesh ready on {address}  (logs: {supervisor.log_dir})")
+        yield supervisor, stop
+    except MeshError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1)
+    finally:
+        supervisor.stop()
+
+
+@app.command()
+def status(
+    target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
+    as_json: bool = typer.Option(False, "--json", help="Print the instances as JSON."),
+) -> None:
+    """The instances of a running mesh: role, address, layout, load, KV blocks."""
+    import grpc
+
+    from mesh.registry.remote import from_message
+    from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as ch:
+            found = internal_pb2_grpc.AdminStub(ch).ListInstances(internal_pb2.ListInstancesRequest(), timeout=10)
+    except grpc.RpcError as e:
+        typer.echo(f"error: {target}: {e.code().name}: {e.details()}", err=True)
+        raise typer.Exit(code=1)
+    instances = [from_message(m) for m in found.instances]
+    if as_json:
+        keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
+                "kv_blocks_total")
+        rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
+        sys.stdout.write(json.dumps({"instances": rows}) + "\n")
+        return
+    header = f"{'ROLE':8} {'ID':18} {'ADDRESS':22} {'PID':>7} {'TP/CP/EP':9} {'STATE':9} {'ACTIVE':>6} {'TOTAL':>6} KV BLOCKS"
+    typer.echo(header)
+    for i in instances:
+        layout = "/".join(str(i.parallel.get(k, 1)) for k in ("tp", "cp", "ep"))
+        blocks = f"{i.kv_blocks_used}/{i.kv_blocks_total}" if i.kv_blocks_total else "-"
+        typer.echo(f"{i.role.value:8} {i.id:18} {i.address:22} {i.pid:>7} {layout:9} {i.state.value:9} "
+                   f"{i.active_requests:>6} {i.total_requests:>6} {blocks}")
 
 
 if __name__ == "__main__":

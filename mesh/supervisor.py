@@ -1,0 +1,165 @@
+"""`infermesh up`: the whole mesh on one host, as processes, in the foreground.
+
+The supervisor serves the in-memory registry over gRPC (unless a Redis URL is
+given), starts the prefill, decode and router processes (`python -m
+<service>.server ...`, each logging to its own file), and is ready when every
+instance is registered and the router's health check says SERVING. It stops
+every process it started on `stop()` (SIGTERM, then SIGKILL after a grace
+period), also when one of them crashed; children die with the supervisor
+(PR_SET_PDEATHSIG) even if it is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mesh import rpc
+from mesh.registry import Role, connect_registry
+from mesh.registry.memory import MemoryRegistry
+from mesh.registry.remote import RegistryService
+from protos.infermesh.v1 import internal_pb2_grpc
+
+
+class MeshError(RuntimeError):
+    """The mesh could not start or lost a process; the message names it and shows its last log lines."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshSpec:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 8000  # the router's public port
+    prefill: int = 1
+    prefill_cp: int = 1
+    decode: int = 1
+    decode_tp: int = 1
+    registry: str = "memory"
+    trace: str = "none"
+    dtype: str = "bfloat16"
+    kv_cache_bytes: int = 1 << 30
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.decode < 1:
+            raise ValueError(f"decode must be >= 1 (someone has to generate), got {self.decode}")
+        if self.prefill < 0:
+            raise ValueError(f"prefill must be >= 0, got {self.prefill}")
+        if self.prefill_cp != 1 and self.prefill:
+            raise ValueError(f"prefill_cp={self.prefill_cp}: pushing KV from context-parallel prefill instances "
+                             "is not supported yet; use --prefill-cp 1")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+
+class Supervisor:
+    def __init__(self, spec: MeshSpec, log_dir: str | None = None) -> None:
+        self.spec = spec
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infermesh-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.registry_server = None
+        self.router_address = ""
+
+    def start(self) -> str:
+        """Start everything and wait until it serves; returns the router's address."""
+        s = self.spec
+        registry = s.registry
+        if registry == "memory":
+            self.registry_server, port, _ = rpc.start_server(s.host, 0, [(
+                internal_pb2_grpc.add_RegistryServicer_to_server, RegistryService(MemoryRegistry()),
+                "infermesh.v1.Registry")])
+            registry = f"grpc://{s.host}:{port}"
+        common = ["--model", s.model, "--registry", registry, "--trace", s.trace, "--host", s.host]
+        engine = ["--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes)]
+        try:
+            for i in range(s.prefill):
+                self._spawn(f"prefill-{i}", "prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)])
+            for i in range(s.decode):
+                self._spawn(f"decode-{i}", "decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])
+            self._spawn("router", "router.server", common + ["--port", str(s.port)])
+            self._wait_until_ready(connect_registry(registry))
+        except BaseException:
+            self.stop()
+            raise
+        return self.router_address
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
+                                       preexec_fn=_die_with_parent)
+        self.children.append(Child(name, process, log))
+
+    def _wait_until_ready(self, registry) -> None:
+        s = self.spec
+        deadline = time.monotonic() + s.startup_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                self.check_children()
+                found = registry.instances()
+                roles = [i.role for i in found]
+                routers = [i for i in found if i.role is Role.ROUTER]
+                if roles.count(Role.PREFILL) >= s.prefill and roles.count(Role.DECODE) >= s.decode and routers \
+                        and _healthy(routers[0].address):
+                    self.router_address = routers[0].address
+                    return
+                time.sleep(0.2)
+        finally:
+            registry.close()
+        raise MeshError(f"the mesh was not ready within {s.startup_timeout_s:.0f} s; logs in {self.log_dir}")
+
+    def check_children(self) -> None:
+        """Raise MeshError naming the first child that exited."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                tail = "\n".join(child.log.read_text(errors="replace").splitlines()[-15:])
+                raise MeshError(f"{child.name} exited with code {code}; last lines of {child.log}:\n{tail}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop every child (SIGTERM, then SIGKILL); safe to call twice."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.registry_server is not None:
+            self.registry_server.stop(None)
+            self.registry_server = None
+
+
+def _healthy(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"),
+                                                          timeout=2).status
+        except grpc.RpcError:
+            return False
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
