@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import uuid
 
 import grpc
@@ -27,7 +28,7 @@ from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.service import Heartbeat, run_until_signalled
 from mesh.settings import PrefillSettings, load, parse_flags
-from mesh.telemetry import server_span, setup_tracing
+from mesh.telemetry import server_span, setup_tracing, tracer
 from prefill_svc.core import PrefillCore
 from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -81,6 +82,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             except RuntimeError as e:
                 context.abort(grpc.StatusCode.CANCELLED if "cancelled" in str(e) else grpc.StatusCode.UNAVAILABLE, str(e))
             stats = result.transfer
+            _record_transfer_span(result, len(target.addresses))
             span.set_attributes({"cached_tokens": result.cached_tokens, "cp_method": "none (cp=1)",
                                  "kv_bytes": stats.bytes if stats else 0, "kv_ok": result.kv_ok})
             return internal_pb2.PrefillResponse(
@@ -94,6 +96,18 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
 
     def Cancel(self, request, context):
         return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))
+
+
+def _record_transfer_span(result, ranks: int) -> None:
+    """A `kvtransfer.push` child span covering the push (measured by the sink; ended when it was acknowledged)."""
+    stats = result.transfer
+    end = time.time_ns()
+    span = tracer().start_span("kvtransfer.push", start_time=end - int((stats.seconds if stats else 0) * 1e9),
+                               attributes={"transport": "grpc_stream", "destination_ranks": ranks,
+                                           "bytes": stats.bytes if stats else 0, "ok": result.kv_ok,
+                                           "gb_per_s": round(stats.gb_per_s, 3) if stats else 0.0,
+                                           "error": result.kv_error})
+    span.end(end_time=end)
 
 
 class AdminService(internal_pb2_grpc.AdminServicer):

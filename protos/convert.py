@@ -1,7 +1,7 @@
 """Between wire messages and plain values (no engine import: services pass the result on).
 
-Proto3 zero values mean "the default" where the engine's default is not zero:
-`max_tokens` 0 -> 256, `top_p` 0 -> 1.0. `temperature` 0 is greedy.
+Unset optional fields take the defaults (`max_tokens` 256, `top_p` 1.0); a value that
+is set is passed on, so a bad one is refused by name. `temperature` 0 (unset) is greedy.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FI
 
 def sampling_kwargs(msg: common_pb2.SamplingParams) -> dict:
     """Keyword arguments for the engine's SamplingParams."""
-    return dict(max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS, temperature=msg.temperature, top_p=msg.top_p or 1.0,
+    return dict(max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+                temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
                 top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
                 stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
                 logprobs=msg.logprobs if msg.HasField("logprobs") else None)

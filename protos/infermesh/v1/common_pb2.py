@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/infermesh/v1/common.proto\x12\x0cinfermesh.v1\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\rTokenLogprobs\x12*\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1a.infermesh.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.infermesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"@\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\"4\n\x0eParallelLayout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\x0f\n\x0bROLE_EXPERT\x10\x04*\x85\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/infermesh/v1/common.proto\x12\x0cinfermesh.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\rTokenLogprobs\x12*\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1a.infermesh.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.infermesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"@\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\"4\n\x0eParallelLayout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\x0f\n\x0bROLE_EXPERT\x10\x04*\x85\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.infermesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=624
-  _globals['_FINISHREASON']._serialized_end=744
-  _globals['_ROLE']._serialized_start=746
-  _globals['_ROLE']._serialized_end=843
-  _globals['_INSTANCESTATE']._serialized_start=846
-  _globals['_INSTANCESTATE']._serialized_end=979
+  _globals['_FINISHREASON']._serialized_start=659
+  _globals['_FINISHREASON']._serialized_end=779
+  _globals['_ROLE']._serialized_start=781
+  _globals['_ROLE']._serialized_end=878
+  _globals['_INSTANCESTATE']._serialized_start=881
+  _globals['_INSTANCESTATE']._serialized_end=1014
   _globals['_SAMPLINGPARAMS']._serialized_start=51
-  _globals['_SAMPLINGPARAMS']._serialized_end=260
-  _globals['_TOKENLOGPROB']._serialized_start=262
-  _globals['_TOKENLOGPROB']._serialized_end=311
-  _globals['_TOKENLOGPROBS']._serialized_start=313
-  _globals['_TOKENLOGPROBS']._serialized_end=413
-  _globals['_USAGE']._serialized_start=415
-  _globals['_USAGE']._serialized_end=502
-  _globals['_TIMINGS']._serialized_start=504
-  _globals['_TIMINGS']._serialized_end=568
-  _globals['_PARALLELLAYOUT']._serialized_start=570
-  _globals['_PARALLELLAYOUT']._serialized_end=622
+  _globals['_SAMPLINGPARAMS']._serialized_end=295
+  _globals['_TOKENLOGPROB']._serialized_start=297
+  _globals['_TOKENLOGPROB']._serialized_end=346
+  _globals['_TOKENLOGPROBS']._serialized_start=348
+  _globals['_TOKENLOGPROBS']._serialized_end=448
+  _globals['_USAGE']._serialized_start=450
+  _globals['_USAGE']._serialized_end=537
+  _globals['_TIMINGS']._serialized_start=539
+  _globals['_TIMINGS']._serialized_end=603
+  _globals['_PARALLELLAYOUT']._serialized_start=605
+  _globals['_PARALLELLAYOUT']._serialized_end=657
 # @@protoc_insertion_point(module_scope)

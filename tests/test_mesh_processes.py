@@ -1,0 +1,88 @@
+"""`infermesh up` as real processes on loopback: tokens equal the in-process engine through the router,
+with the in-memory registry and with Redis; status lists every instance; one trace per request spans
+router, prefill, KV transfer and decode; Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+INFERMESH = str(Path(sys.executable).parent / "infermesh")
+
+
+def start_mesh(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([INFERMESH, "up", "--model", model, "--port", "0", "--dtype", "float32", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("infermesh ready on "):
+            return proc, line.split()[3]
+    proc.wait(timeout=30)
+    raise AssertionError(f"the mesh did not start (exit {proc.returncode})")
+
+
+def stop_mesh(proc: subprocess.Popen, pids: list[int]) -> None:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    for pid in pids:  # every process it started is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("registry", ["memory", "redis"])
+def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request):
+    folder, _ = tiny_checkpoint("llama")
+    args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
+    proc, address = start_mesh(str(folder), *args)
+    status = json.loads(cli("status", "--target", address, "--json").stdout)
+    pids = [i["pid"] for i in status["instances"]]
+    try:
+        roles = sorted(i["role"] for i in status["instances"])
+        assert roles == ["decode", "prefill", "router"]
+        reference = LLM(str(folder), dtype="float32")
+        for prompt in ("hello world", "the quick brown fox jumps over the lazy dog " * 8):  # local and disaggregated
+            out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")
+            assert out.returncode == 0, out.stderr
+            result = json.loads(out.stdout.splitlines()[-1])
+            (expected,) = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            assert result["token_ids"] == expected.token_ids
+            assert result["prompt_token_ids"] == expected.prompt_token_ids
+        bad = cli("generate", "hi", "--target", address, "--top-p", "0")
+        assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+    finally:
+        stop_mesh(proc, pids)
+
+
+def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    spans_file = tmp_path / "spans.jsonl"
+    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}")
+    pids = [i["pid"] for i in json.loads(cli("status", "--target", address, "--json").stdout)["instances"]]
+    try:
+        out = cli("generate", "the quick brown fox jumps over the lazy dog " * 8, "--target", address,
+                  "--max-tokens", "4")
+        assert out.returncode == 0, out.stderr
+    finally:
+        stop_mesh(proc, pids)
+    spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
+    by_name = {s["name"]: s for s in spans}
+    assert {"router.generate", "router.route", "decode.reserve", "prefill.run", "kvtransfer.push",
+            "decode.request"} <= set(by_name)
+    root = by_name["router.generate"]
+    assert len({s["trace_id"] for s in spans}) == 1
+    for name in ("router.route", "decode.reserve", "prefill.run", "decode.request"):
+        assert by_name[name]["parent_id"] == root["span_id"], name
+    assert by_name["kvtransfer.push"]["parent_id"] == by_name["prefill.run"]["span_id"]
+    assert by_name["kvtransfer.push"]["attributes"]["bytes"] > 0
+    assert len({s["pid"] for s in spans}) == 3  # router, prefill and decode processes
