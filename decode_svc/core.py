@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from engine.core import EngineCore, RequestError, StepOutput
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams, TokenLogprobs
-from engine.sequence import FinishReason
+from engine.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class DecodeCore:
         self.total_requests = 0
         self.draining = False
         self._streams: dict[str, queue.Queue] = {}
-        self._usage: dict[str, dict[str, int]] = {}
+        self._requests: dict[str, Sequence] = {}  # active: reserved or running
         self._loop = EngineLoop(engine, self._deliver, name="decode-engine", on_failure=self._fail_streams)
         self._call = self._loop.call
 
@@ -65,10 +65,10 @@ class DecodeCore:
         for request_id, stream in list(self._streams.items()):
             stream.put(Event([], "", error=f"the decode engine failed: {error!r}"))
         self._streams.clear()
-        self._usage.clear()
+        self._requests.clear()
 
     def _abort_all(self) -> None:
-        for request_id in list(self._usage):
+        for request_id in list(self._requests):
             self.engine.abort(request_id)
             self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
 
@@ -81,8 +81,7 @@ class DecodeCore:
             seq = self.engine.reserve(request_id, prompt, params)
             with self.kv_lock:
                 self.reservations[request_id] = tuple(seq.block_table)
-            self._usage[request_id] = {"prompt_tokens": len(prompt), "completion_tokens": 0,
-                                       "cached_prompt_tokens": seq.num_cached_prompt_tokens}
+            self._requests[request_id] = seq
             return tuple(seq.block_table), seq.num_cached_prompt_tokens
 
         return self._call(run)
@@ -92,8 +91,7 @@ class DecodeCore:
         def run():
             self._refuse_when_draining()
             seq = self.engine.add_request(request_id, prompt, params)
-            self._usage[request_id] = {"prompt_tokens": len(prompt), "completion_tokens": 0,
-                                       "cached_prompt_tokens": 0}
+            self._requests[request_id] = seq
             self._track(seq.request_id)
             return self._streams[request_id]
 
@@ -121,14 +119,18 @@ class DecodeCore:
                 found = self.engine.abort(request_id)
             if found:
                 self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
-            self._usage.pop(request_id, None)
+            self._requests.pop(request_id, None)
             return found
 
         return self._call(run)
 
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes of the full KV blocks in the prefix cache (read on the engine thread)."""
+        return self._call(lambda: set(self.engine.blocks.cached))
+
     def status(self) -> dict[str, int]:
         blocks = self.engine.blocks
-        return {"active_requests": len(self._usage), "total_requests": self.total_requests,
+        return {"active_requests": len(self._requests), "total_requests": self.total_requests,
                 "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
 
     # ---- on the engine thread -------------------------------------------------------------
@@ -138,15 +140,17 @@ class DecodeCore:
         return self._streams.setdefault(request_id, queue.Queue())
 
     def _deliver(self, out: StepOutput) -> None:
-        usage = self._usage.get(out.request_id)
+        seq = self._requests.get(out.request_id)
         stream = self._streams.get(out.request_id)
-        if usage is None or stream is None:
+        if seq is None or stream is None:
             return
-        usage["completion_tokens"] += len(out.new_token_ids)
         reason = out.finish_reason.value if out.finish_reason else None
-        stream.put(Event(out.new_token_ids, out.text_delta, out.new_logprobs, reason, dict(usage) if reason else None))
+        usage = None
         if reason:
-            del self._usage[out.request_id], self._streams[out.request_id]
+            usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_token_ids),
+                     "cached_prompt_tokens": seq.num_cached_prompt_tokens}
+            del self._requests[out.request_id], self._streams[out.request_id]
+        stream.put(Event(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage))
 
     def _refuse_when_draining(self) -> None:
         if self.draining:

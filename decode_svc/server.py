@@ -144,7 +144,8 @@ class DecodeInstance:
         ])
         self.address = decode.address = f"{s.host}:{port}"
         self.info = admin.info = dataclasses.replace(self.info, address=self.address)
-        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s,
+                                   block_hashes=self.core.cached_block_hashes)
         self._stopped = False
 
     def _record(self) -> InstanceInfo:

@@ -10,10 +10,13 @@ from mesh.registry import InstanceInfo, Registry
 
 
 class Heartbeat:
-    """Registers `record()` every `interval_s` with a TTL; `stop()` deregisters (safe twice)."""
+    """Registers `record()` every `interval_s` with a TTL, and the KV block hashes `block_hashes()` says the
+    instance holds (for prefix-aware routing); `stop()` deregisters (safe twice)."""
 
-    def __init__(self, registry: Registry, record: Callable[[], InstanceInfo], interval_s: float, ttl_s: float) -> None:
+    def __init__(self, registry: Registry, record: Callable[[], InstanceInfo], interval_s: float, ttl_s: float,
+                 block_hashes: Callable[[], set[int]] | None = None) -> None:
         self.registry, self.record, self.interval_s, self.ttl_s = registry, record, interval_s, ttl_s
+        self.block_hashes = block_hashes
         self._stop = threading.Event()
         self.instance_id = record().id
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -23,6 +26,8 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.registry.register(self.record(), self.ttl_s)
+                if self.block_hashes is not None:
+                    self.registry.set_block_hashes(self.instance_id, self.block_hashes(), self.ttl_s)
             except Exception:  # the registry is unreachable: try again next beat; the TTL decides liveness
                 pass
             self._stop.wait(self.interval_s)

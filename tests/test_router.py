@@ -69,6 +69,23 @@ def test_sixteen_concurrent_requests_equal_the_single_engine_both_ways(mesh):
     assert final.usage.completion_tokens == 6 and final.timings.total_s >= final.timings.ttft_s > 0
 
 
+def test_a_prompt_whose_prefix_decode_holds_is_prefilled_there(mesh):
+    router, prefill, decode, registry, reference = mesh
+    from engine.block_manager import prefix_hashes
+
+    prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(9)).tolist()
+    before = prefill.core.total_requests
+    first, _ = generate(router.address, prompt)  # 100 uncached tokens: disaggregated
+    assert prefill.core.total_requests == before + 1
+    deadline = time.monotonic() + 30  # the next heartbeat publishes decode's cached blocks
+    while registry.prefix_hits(prefix_hashes(prompt, 16)).get(decode.id, 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again, final = generate(router.address, prompt + [7, 8])  # 6 of 7 blocks cached there: 6 tokens to prefill
+    assert prefill.core.total_requests == before + 1  # conditional disaggregation: prefilled on decode
+    assert again == reference.generate([prompt + [7, 8]], GREEDY)[0].token_ids
+    assert final.usage.cached_prompt_tokens == 96
+
+
 def test_chat_applies_the_template_and_list_models_names_the_model(mesh):
     router, _, _, _, reference = mesh
     stub = inference_pb2_grpc.InferenceStub(channel(router.address))
