@@ -20,6 +20,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from decode_svc.follower import reservation_key
 from engine.core import EngineCore, RequestError, StepOutput
 from engine.loop import EngineLoop
 from engine.sampler import SamplingParams, TokenLogprobs
@@ -37,8 +38,10 @@ class Event:
 
 
 class DecodeCore:
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine = engine
+    def __init__(self, engine: EngineCore, shared_store=None) -> None:
+        """`shared_store`: the store of a multi-rank instance, where reservations are published to its other
+        ranks (each accepts pushed KV for its heads)."""
+        self.engine, self.shared_store = engine, shared_store
         self.kv_lock = threading.Lock()
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
         self.total_requests = 0
@@ -81,6 +84,8 @@ class DecodeCore:
             seq = self.engine.reserve(request_id, prompt, params)
             with self.kv_lock:
                 self.reservations[request_id] = tuple(seq.block_table)
+            if self.shared_store is not None:
+                self.shared_store.set(reservation_key(request_id), ",".join(map(str, seq.block_table)))
             self._requests[request_id] = seq
             return tuple(seq.block_table), seq.num_cached_prompt_tokens
 
@@ -103,6 +108,7 @@ class DecodeCore:
             with self.kv_lock:
                 if self.reservations.pop(request_id, None) is None:
                     raise RequestError(f"request_id {request_id!r} has no reservation")
+            self._unpublish(request_id)
             stream = self._track(request_id)
             if first_token is None:
                 self.engine.recompute(request_id)
@@ -115,8 +121,10 @@ class DecodeCore:
     def cancel(self, request_id: str) -> bool:
         def run():
             with self.kv_lock:
-                self.reservations.pop(request_id, None)
+                reserved = self.reservations.pop(request_id, None) is not None
                 found = self.engine.abort(request_id)
+            if reserved:
+                self._unpublish(request_id)
             if found:
                 self._deliver(StepOutput(request_id, [], "", FinishReason.ABORT, []))
             self._requests.pop(request_id, None)
@@ -151,6 +159,11 @@ class DecodeCore:
                      "cached_prompt_tokens": seq.num_cached_prompt_tokens}
             del self._requests[out.request_id], self._streams[out.request_id]
         stream.put(Event(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage))
+
+    def _unpublish(self, request_id: str) -> None:
+        """Other ranks keep accepting pieces until the next step plan names the reservation as ended."""
+        if self.shared_store is not None:
+            self.shared_store.delete_key(reservation_key(request_id))
 
     def _refuse_when_draining(self) -> None:
         if self.draining:

@@ -18,15 +18,17 @@ import uuid
 import grpc
 
 from decode_svc.core import DecodeCore
+from decode_svc.follower import accept_kv
 from engine.core import EngineConfig, EngineCore, RequestError
 from engine.parallel.context import ParallelConfig
+from engine.parallel.tp import head_shard
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import DTYPES, KVTransferService
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, run_until_signalled
+from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
 from mesh.settings import DecodeSettings, load, parse_flags
 from mesh.telemetry import server_span, setup_tracing
 from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
@@ -36,10 +38,13 @@ EVENT_TIMEOUT_S = 600.0  # the longest gap between two tokens of one request bef
 
 
 class DecodeService(internal_pb2_grpc.DecodeServicer):
-    def __init__(self, core: DecodeCore, instance_id: str, address: str) -> None:
-        self.core, self.instance_id, self.address = core, instance_id, address
+    def __init__(self, core: DecodeCore, instance_id: str, address: str, rank_addresses: list[str]) -> None:
+        """`rank_addresses`: the KVTransfer servers of ranks 1..N-1 (rank 0's is this server, `address`)."""
+        self.core, self.instance_id, self.address, self.rank_addresses = core, instance_id, address, rank_addresses
         cache = core.engine.kv_cache[0][0]
-        self.block_size, self.num_kv_heads, self.dtype = cache.shape[1], cache.shape[2], cache.dtype
+        self.block_size, self.dtype = cache.shape[1], cache.dtype
+        cfg, tp = core.engine.model_config, core.engine.parallel.tp
+        self.head_ranges = [head_shard(cfg, tp, r).kv_heads for r in range(tp)]
 
     def Reserve(self, request, context):
         with server_span(context, "decode.reserve", request_id=request.request_id,
@@ -48,8 +53,9 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
             table, cached = _run(context, lambda: self.core.reserve(request.request_id, list(request.prompt_token_ids),
                                                                      params))
             return internal_pb2.ReserveResponse(target=internal_pb2.KVTarget(
-                decode_id=self.instance_id, transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM, addresses=[self.address],
-                head_ranges=[internal_pb2.HeadRange(start=0, end=self.num_kv_heads)], block_size=self.block_size,
+                decode_id=self.instance_id, transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM,
+                addresses=[self.address, *self.rank_addresses],
+                head_ranges=[internal_pb2.HeadRange(start=a, end=b) for a, b in self.head_ranges], block_size=self.block_size,
                 block_table=list(table), first_token=cached, dtype=DTYPES[self.dtype]))
 
     def Decode(self, request, context):
@@ -130,10 +136,13 @@ class DecodeInstance:
         self.id = instance_id or f"decode-{uuid.uuid4().hex[:8]}"
         config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
-        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config, ParallelConfig(tp=s.tp))
-        self.core = DecodeCore(engine).start()
+        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config, ParallelConfig(tp=s.tp),
+                            attach=accept_kv if s.tp > 1 else None)
+        store = engine.executor.store if s.tp > 1 else None
+        rank_addresses = [store.get(f"kv-address/{r}").decode() for r in range(1, s.tp)] if store else []
+        self.core = DecodeCore(engine, shared_store=store).start()
         receiver = KVReceiver(engine.kv_cache, self.core.reservations.get, self.core.kv_lock)
-        decode = DecodeService(self.core, self.id, address="")
+        decode = DecodeService(self.core, self.id, address="", rank_addresses=rank_addresses)
         self.info = InstanceInfo(id=self.id, role=Role.DECODE, address="", pid=os.getpid(), model=s.model,
                                  parallel={"tp": s.tp, "cp": 1, "ep": 1}, state=InstanceState.SERVING)
         admin = AdminService(self.core, self.info)
@@ -162,6 +171,7 @@ class DecodeInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_supervisor()
     settings = load(DecodeSettings, parse_flags(DecodeSettings, argv))
     setup_tracing(settings.trace, "decode")
     instance = DecodeInstance(settings)

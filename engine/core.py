@@ -85,7 +85,9 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
-                 parallel: ParallelConfig = ParallelConfig()) -> None:
+                 parallel: ParallelConfig = ParallelConfig(), attach=None) -> None:
+        """`attach(rank, store, runner) -> before_step(plan)`: run by ranks 1..N-1 of a parallel instance once
+        their model is built (an importable function; a service uses it to accept pushed KV on every rank)."""
         self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -98,7 +100,7 @@ class EngineCore:
         if parallel.world_size == 1:
             self.executor = build_runner(checkpoint, ParallelContext(config=parallel, rank=0), **layout)
         else:
-            self.executor = ParallelExecutor(checkpoint, parallel, **layout)
+            self.executor = ParallelExecutor(checkpoint, parallel, attach=attach, **layout)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
@@ -117,6 +119,7 @@ class EngineCore:
             self._generator.seed()
         self._seeded: dict[str, torch.Generator] = {}
         self._sinks: dict[str, KVSink] = {}
+        self._ended_reservations: list[str] = []
 
     # ---- requests -----------------------------------------------------------------
 
@@ -142,6 +145,7 @@ class EngineCore:
     def join(self, request_id: str, first_token: int) -> StepOutput:
         """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance."""
         seq = self._reserved(request_id)
+        self._ended_reservations.append(request_id)
         self.scheduler.join(seq)
         seeded = self._seeded.get(request_id)
         if seeded is not None and not seq.params.greedy:
@@ -151,6 +155,7 @@ class EngineCore:
     def recompute(self, request_id: str) -> None:
         """The KV transfer failed: prefill the reserved request here instead."""
         seq = self._reserved(request_id)
+        self._ended_reservations.append(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)  # frees the reserved blocks
         seq.finish_reason, seq.num_cached_prompt_tokens = None, 0
         self.scheduler.add(seq)
@@ -192,6 +197,8 @@ class EngineCore:
         seq = self._sequences.get(request_id)
         if seq is None:
             return False
+        if seq.status is SequenceStatus.RESERVED:
+            self._ended_reservations.append(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._forget(request_id)
         return True
@@ -222,7 +229,8 @@ class EngineCore:
 
     def run_model(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """The sampling chunks and their logits [len(sampling), V], row for row."""
-        plan, ordered = plan_step(chunks, self.config.block_size)
+        plan, ordered = plan_step(chunks, self.config.block_size, tuple(self._ended_reservations))
+        self._ended_reservations.clear()
         pushing = [(self._sinks[c.seq.request_id], c.seq.block_table) for c in ordered
                    if c.seq.request_id in self._sinks and c.end == c.seq.num_prompt_tokens]
         on_layer = None

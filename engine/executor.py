@@ -21,14 +21,19 @@ from engine.weights import Checkpoint, load_checkpoint
 
 class ParallelExecutor:
     def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
-                 block_size: int, num_blocks: int) -> None:
+                 block_size: int, num_blocks: int, attach=None) -> None:
         layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks)
-        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout))
+        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, attach))
         ctx = self.ranks.connect()
         try:
             self.runner = build_runner(checkpoint, ctx, **layout)
         except BaseException as e:
             raise self.ranks.failure(e) from e
+
+    @property
+    def store(self) -> dist.Store:
+        """The instance's rendezvous store, shared by all its ranks."""
+        return self.ranks.store
 
     @property
     def kv_cache(self):
@@ -50,11 +55,14 @@ class ParallelExecutor:
 
 
 def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
-                 source: str, layout: dict) -> None:
+                 source: str, layout: dict, attach=None) -> None:
     """A follower rank's whole life: load, shard, then run every broadcast plan until `None`."""
     checkpoint = load_checkpoint(source, layout["dtype"])
     store.set(f"ready/{rank}", "1")
     ctx = connect(store, rank, parallel, timeout=timeout)
     runner = build_runner(checkpoint, ctx, **layout)
+    before_step = attach(rank, store, runner) if attach is not None else None
     while (plan := receive_plan(ctx.world)) is not None:
+        if before_step is not None:
+            before_step(plan)
         runner.execute(plan)

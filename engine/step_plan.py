@@ -34,18 +34,22 @@ class ChunkPlan:
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     chunks: tuple[ChunkPlan, ...]  # decodes (one token) first
+    # KV reservations that ended since the last step (joined, recomputed or cancelled): ranks that accept
+    # pushed KV stop writing into their blocks before this step may reuse them.
+    ended_reservations: tuple[str, ...] = ()
 
     @property
     def sampling_indices(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.chunks) if c.samples)
 
 
-def plan_step(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[ScheduledChunk]]:
+def plan_step(chunks: list[ScheduledChunk], block_size: int,
+              ended_reservations: tuple[str, ...] = ()) -> tuple[StepPlan, list[ScheduledChunk]]:
     """The plan, and the scheduled chunks in plan order (to match logits rows back to sequences)."""
     ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
     plan = StepPlan(tuple(
         ChunkPlan(tuple(c.seq.token_ids[c.start:c.end]), c.start, tuple(c.seq.block_table[: -(-c.end // block_size)]),
                   c.samples)
         for c in ordered
-    ))
+    ), ended_reservations)
     return plan, ordered

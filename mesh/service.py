@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import threading
 from typing import Callable
@@ -39,8 +41,23 @@ class Heartbeat:
         self._thread.join(timeout=5)
         try:
             self.registry.deregister(self.instance_id)
+        except Exception:  # the registry is gone too: the record expires by its TTL
+            pass
         finally:
             self.registry.close()
+
+
+def die_with_supervisor() -> None:
+    """When started by `infermesh up` (INFERMESH_PARENT_PID set): die with the supervisor, even if it is killed."""
+    parent = os.environ.get("INFERMESH_PARENT_PID")
+    if parent is None:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != int(parent):  # it died before prctl took effect
+        os._exit(1)
 
 
 def run_until_signalled(stop: Callable[[], None]) -> None:

@@ -6,12 +6,12 @@ given), starts the prefill, decode and router processes (`python -m
 instance is registered and the router's health check says SERVING. It stops
 every process it started on `stop()` (SIGTERM, then SIGKILL after a grace
 period), also when one of them crashed; children die with the supervisor
-(PR_SET_PDEATHSIG) even if it is killed.
+(`mesh.service.die_with_supervisor`) even if it is killed.
 """
 
 from __future__ import annotations
 
-import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -100,9 +100,9 @@ class Supervisor:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         log = self.log_dir / f"{name}.log"
-        with open(log, "wb") as out:
+        with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
-                                       preexec_fn=_die_with_parent)
+                                       env={**os.environ, "INFERMESH_PARENT_PID": str(os.getpid())})
         self.children.append(Child(name, process, log))
 
     def _wait_until_ready(self, registry) -> None:
@@ -157,9 +157,3 @@ def _healthy(address: str) -> bool:
             return False
     return status == health_pb2.HealthCheckResponse.SERVING
 
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

@@ -26,7 +26,7 @@ from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, run_until_signalled
+from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
 from mesh.settings import PrefillSettings, load, parse_flags
 from mesh.telemetry import server_span, setup_tracing, tracer
 from prefill_svc.core import PrefillCore
@@ -161,6 +161,7 @@ class PrefillInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_supervisor()
     settings = load(PrefillSettings, parse_flags(PrefillSettings, argv))
     setup_tracing(settings.trace, "prefill")
     instance = PrefillInstance(settings)

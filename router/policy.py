@@ -56,8 +56,6 @@ def route(*, prompt_tokens: int, decodes: list[InstanceInfo], prefills: list[Ins
     decode = pick(policy, serving, turn, prefix_hits)
     uncached = max(0, prompt_tokens - prefix_hits.get(decode.id, 0) * block_size)
     available = [p for p in prefills if p.state is InstanceState.SERVING]
-    if decode.parallel.get("tp", 1) > 1:
-        return Route(decode, None, uncached, "a decode instance with tp > 1 takes no pushed KV yet: prefill on decode")
     if not available:
         return Route(decode, None, uncached, "no prefill instance is serving: prefill on decode")
     if uncached <= local_prefill_max_tokens:

@@ -26,7 +26,7 @@ from engine.weights import load_model_info
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.registry.remote import to_message
-from mesh.service import Heartbeat, run_until_signalled
+from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
 from mesh.settings import RouterSettings, load, parse_flags
 from mesh.telemetry import outgoing_metadata, server_span, setup_tracing, tracer
 from protos.convert import sampling_kwargs
@@ -195,6 +195,7 @@ class RouterInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_supervisor()
     settings = load(RouterSettings, parse_flags(RouterSettings, argv))
     setup_tracing(settings.trace, "router")
     instance = RouterInstance(settings)

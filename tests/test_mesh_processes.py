@@ -40,16 +40,19 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("registry", ["memory", "redis"])
-def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request):
+@pytest.mark.parametrize("registry,decode_tp", [("memory", 2), ("redis", 1)])
+def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, decode_tp, tiny_checkpoint, request):
     folder, _ = tiny_checkpoint("llama")
     args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
+    args += ["--decode-tp", str(decode_tp)]
     proc, address = start_mesh(str(folder), *args)
     status = json.loads(cli("status", "--target", address, "--json").stdout)
     pids = [i["pid"] for i in status["instances"]]
     try:
         roles = sorted(i["role"] for i in status["instances"])
         assert roles == ["decode", "prefill", "router"]
+        (decode,) = [i for i in status["instances"] if i["role"] == "decode"]
+        assert decode["parallel"] == {"tp": decode_tp, "cp": 1, "ep": 1}
         reference = LLM(str(folder), dtype="float32")
         for prompt in ("hello world", "the quick brown fox jumps over the lazy dog " * 8):  # local and disaggregated
             out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")

@@ -60,9 +60,3 @@ def test_no_serving_decode_instance_is_an_error():
     with pytest.raises(ValueError, match="policy must be one of"):
         pick("random", [inst("a")], 0, {})
 
-
-def test_a_multi_rank_decode_instance_prefills_itself():
-    wide = InstanceInfo(id="d2", role=Role.DECODE, address="h:d2", pid=1, model="m", state=InstanceState.SERVING,
-                        parallel={"tp": 2, "cp": 1, "ep": 1})
-    r = route_for(500, [inst("p1", Role.PREFILL)], decodes=[wide])
-    assert r.prefill is None and "tp > 1" in r.reason

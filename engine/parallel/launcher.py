@@ -11,8 +11,8 @@ ranks receive the plan, run theirs, and wait for the next one (`None` stops them
 Failure: a rank that raises writes its traceback to the rendezvous store under
 `error/<rank>` and exits; its closed connections make rank 0's next collective
 fail at once, and rank 0 raises `ParallelError` with that rank's message. Rank 0
-then stops every child. Children die with their parent (PR_SET_PDEATHSIG), so no
-rank outlives the instance even when rank 0 is killed.
+then stops every child. Children die with their parent (they set PR_SET_PDEATHSIG
+first thing), so no rank outlives the instance even when rank 0 is killed.
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ class RankGroup:
         self.store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         threads = max(1, (os.cpu_count() or 1) // world)
         self.store.set("follower", pickle.dumps((follower, follower_args, config, threads, timeout)))
+        # No preexec_fn: Popen can then vfork/exec without running fork handlers in this process (a forked
+        # child of a process with gRPC threads can break its pollers). The child sets PDEATHSIG itself.
         self.processes = [
-            subprocess.Popen([sys.executable, "-m", "engine.parallel.launcher", str(self.store.port), str(rank)],
-                             preexec_fn=_die_with_parent)
+            subprocess.Popen([sys.executable, "-m", "engine.parallel.launcher", str(self.store.port), str(rank),
+                              str(os.getpid())])
             for rank in range(1, world)
         ]
         self._finalizer = weakref.finalize(self, _stop, self.processes)
@@ -132,14 +134,18 @@ def _stop(processes: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to kill this process when its parent dies; exit now if it already has."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: rank 0 still stops its children when it closes or exits
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
-def _follower_main(port: int, rank: int) -> None:
+def _follower_main(port: int, rank: int, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=datetime.timedelta(seconds=60))
     follower, follower_args, config, threads, timeout = pickle.loads(store.get("follower"))
     torch.set_num_threads(threads)
@@ -151,4 +157,4 @@ def _follower_main(port: int, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    _follower_main(int(sys.argv[1]), int(sys.argv[2]))
+    _follower_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
