@@ -233,16 +233,17 @@ class EngineCore:
         self._ended_reservations.clear()
         pushing = [(self._sinks[c.seq.request_id], c.seq.block_table) for c in ordered
                    if c.seq.request_id in self._sinks and c.end == c.seq.num_prompt_tokens]
-        on_layer = None
-        if pushing:
-            kv_cache = self.kv_cache
-
-            def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
-                for sink, table in pushing:
-                    sink.push_layer(layer, *kv_cache[layer], table)
-
-        logits = self.executor.execute(plan, on_layer)
+        logits = self.executor.execute(plan, self._pusher(pushing) if pushing else None)
         return [ordered[i] for i in plan.sampling_indices], logits
+
+    def _pusher(self, pushing: list[tuple[KVSink, list[int]]]):
+        kv_cache = self.kv_cache
+
+        def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
+            for sink, table in pushing:
+                sink.push_layer(layer, *kv_cache[layer], table)
+
+        return on_layer
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
         params = seq.params

@@ -8,6 +8,7 @@ the bound port and the health servicer (to report NOT_SERVING while draining).
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 from typing import Callable, Sequence
 
@@ -42,3 +43,23 @@ def start_server(host: str, port: int, services: Sequence[tuple[Callable, object
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+
+
+class ChannelPool:
+    """One channel per address, reused across requests and threads; `close()` closes them all."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = channel(address)
+            return self._channels[address]
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()

@@ -34,23 +34,6 @@ from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 
 
-class ChannelPool:
-    """One gRPC channel per decode rank address, reused across requests."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def sender(self, address: str, request_id: str, rank: int) -> GrpcStreamSender:
-        with self._lock:
-            ch = self._channels.get(address) or self._channels.setdefault(address, rpc.channel(address))
-        return GrpcStreamSender(ch, request_id, rank)
-
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-
-
 class PrefillService(internal_pb2_grpc.PrefillServicer):
     def __init__(self, core: PrefillCore, cp: int) -> None:
         self.core, self.cp = core, cp
@@ -135,8 +118,9 @@ class PrefillInstance:
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method))
-        self.channels = ChannelPool()
-        self.core = PrefillCore(engine, self.channels.sender).start()
+        self.channels = rpc.ChannelPool()
+        self.core = PrefillCore(engine, lambda address, rid, rank: GrpcStreamSender(self.channels.get(address), rid, rank)
+                                ).start()
         self.server, port, self.health = rpc.start_server(s.host, s.port, [
             (internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self.core, s.cp), "infermesh.v1.Prefill"),
             (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self._record), "infermesh.v1.Admin"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 import uuid
 
@@ -34,35 +33,11 @@ from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, i
 from router.policy import NoInstance, route
 
 
-class Stubs:
-    """gRPC stubs per instance address, on channels reused across requests."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = rpc.channel(address)
-            return self._channels[address]
-
-    def decode(self, address: str) -> internal_pb2_grpc.DecodeStub:
-        return internal_pb2_grpc.DecodeStub(self._channel(address))
-
-    def prefill(self, address: str) -> internal_pb2_grpc.PrefillStub:
-        return internal_pb2_grpc.PrefillStub(self._channel(address))
-
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-
-
 class RouterService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, settings: RouterSettings, registry: Registry) -> None:
         self.settings, self.registry = settings, registry
         self.config, self.tokenizer = load_model_info(settings.model)
-        self.stubs = Stubs()
+        self.channels = rpc.ChannelPool()
         self._turns = itertools.count()
         self.block_size = 16  # the engines' default; prefix hits count blocks of this size
 
@@ -113,7 +88,7 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
                                            "reason": chosen.reason})
             timeout = self._remaining(context)
             metadata = outgoing_metadata()
-            decode = self.stubs.decode(chosen.decode.address)
+            decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
             try:
                 if chosen.prefill is None:
                     request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
@@ -145,7 +120,7 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
         target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
                                 timeout=timeout, metadata=metadata).target
         try:
-            done = self.stubs.prefill(chosen.prefill.address).Prefill(internal_pb2.PrefillRequest(
+            done = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address)).Prefill(internal_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, target=target), timeout=timeout, metadata=metadata)
         except grpc.RpcError:  # the prefill instance failed: decode recomputes the prompt in its reservation
             return internal_pb2.DecodeRequest(request_id=rid, kv_status=internal_pb2.KV_STATUS_FAILED)
@@ -191,7 +166,7 @@ class RouterInstance:
         self._stopped = True
         self.heartbeat.stop()
         self.server.stop(grace=None)
-        self.service.stubs.close()
+        self.service.channels.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engine import LLM, RequestError, SamplingParams
 from engine.config import ConfigError

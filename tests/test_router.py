@@ -13,7 +13,7 @@ import torch
 
 from decode_svc.server import DecodeInstance
 from engine import LLM, SamplingParams
-from mesh.registry import MemoryRegistry, Role
+from mesh.registry import MemoryRegistry
 from mesh.rpc import channel
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
