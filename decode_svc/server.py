@@ -28,9 +28,9 @@ from kvtransfer.grpc_stream import DTYPES, KVTransferService
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
-from mesh.settings import DecodeSettings, load, parse_flags
-from mesh.telemetry import server_span, setup_tracing
+from mesh.service import Heartbeat, serve
+from mesh.settings import DecodeSettings
+from mesh.telemetry import server_span
 from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 
@@ -171,12 +171,7 @@ class DecodeInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_supervisor()
-    settings = load(DecodeSettings, parse_flags(DecodeSettings, argv))
-    setup_tracing(settings.trace, "decode")
-    instance = DecodeInstance(settings)
-    print(f"decode {instance.id} serving on {instance.address}", flush=True)
-    run_until_signalled(instance.stop)
+    serve("decode", DecodeSettings, DecodeInstance, argv)
 
 
 if __name__ == "__main__":

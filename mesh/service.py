@@ -1,4 +1,5 @@
-"""The runtime shell every service shares: a registry heartbeat and running until SIGINT/SIGTERM."""
+"""The runtime shell every service shares: a registry heartbeat, dying with the supervisor, and `serve`
+(settings from flags and INFERMESH_* variables, tracing, run until SIGINT/SIGTERM, stop)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,16 @@ def run_until_signalled(stop: Callable[[], None]) -> None:
         signal.signal(sig, lambda *_: signalled.set())
     signalled.wait()
     stop()
+
+
+def serve(role: str, settings_class, start, argv: list[str] | None = None) -> None:
+    """The `main` of a service: `start(settings)` returns an instance with `id`, `address` and `stop()`."""
+    from mesh.settings import load, parse_flags
+    from mesh.telemetry import setup_tracing
+
+    die_with_supervisor()
+    settings = load(settings_class, parse_flags(settings_class, argv))
+    setup_tracing(settings.trace, role)
+    instance = start(settings)
+    print(f"{role} {instance.id} serving on {instance.address}", flush=True)
+    run_until_signalled(instance.stop)

@@ -26,9 +26,9 @@ from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
-from mesh.settings import PrefillSettings, load, parse_flags
-from mesh.telemetry import server_span, setup_tracing, tracer
+from mesh.service import Heartbeat, serve
+from mesh.settings import PrefillSettings
+from mesh.telemetry import server_span, tracer
 from prefill_svc.core import PrefillCore
 from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -145,12 +145,7 @@ class PrefillInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_supervisor()
-    settings = load(PrefillSettings, parse_flags(PrefillSettings, argv))
-    setup_tracing(settings.trace, "prefill")
-    instance = PrefillInstance(settings)
-    print(f"prefill {instance.id} serving on {instance.address}", flush=True)
-    run_until_signalled(instance.stop)
+    serve("prefill", PrefillSettings, PrefillInstance, argv)
 
 
 if __name__ == "__main__":

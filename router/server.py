@@ -25,9 +25,9 @@ from engine.weights import load_model_info
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.registry.remote import to_message
-from mesh.service import Heartbeat, die_with_supervisor, run_until_signalled
-from mesh.settings import RouterSettings, load, parse_flags
-from mesh.telemetry import outgoing_metadata, server_span, setup_tracing, tracer
+from mesh.service import Heartbeat, serve
+from mesh.settings import RouterSettings
+from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.policy import NoInstance, route
@@ -170,12 +170,7 @@ class RouterInstance:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_supervisor()
-    settings = load(RouterSettings, parse_flags(RouterSettings, argv))
-    setup_tracing(settings.trace, "router")
-    instance = RouterInstance(settings)
-    print(f"router serving on {instance.address}", flush=True)
-    run_until_signalled(instance.stop)
+    serve("router", RouterSettings, RouterInstance, argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB
+from tests.test_parity_tiny import capture_logits
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -29,16 +30,7 @@ def two_calls() -> tuple[list[list[int]], list[list[int]]]:
 
 def run_with_logits(llm: LLM) -> list[tuple[list[int], torch.Tensor, int]]:
     """(tokens, logits [steps, V], cached prompt tokens) per request of both calls."""
-    captured: dict[str, list[torch.Tensor]] = {}
-    run_model = llm.engine.run_model
-
-    def capturing(chunks):
-        sampling, logits = run_model(chunks)
-        for chunk, row in zip(sampling, logits):
-            captured.setdefault(chunk.seq.request_id, []).append(row.clone())
-        return sampling, logits
-
-    llm.engine.run_model = capturing
+    captured = capture_logits(llm)
     first, second = two_calls()
     outs = llm.generate(first, GREEDY) + llm.generate(second, GREEDY)
     return [(o.token_ids, torch.stack(captured[o.request_id]), o.cached_prompt_tokens) for o in outs]

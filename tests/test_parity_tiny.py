@@ -24,8 +24,8 @@ def hf_greedy(model, prompt: list[int], steps: int = STEPS):
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)  # [steps, V]
 
 
-def engine_with_logit_capture(folder, **options):
-    llm = LLM(str(folder), dtype="float32", **options)
+def capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """From now on, every sampled row's logits, by request id, in step order."""
     captured: dict[str, list[torch.Tensor]] = {}
     run = llm.engine.run_model
 
@@ -36,13 +36,14 @@ def engine_with_logit_capture(folder, **options):
         return sampling, logits
 
     llm.engine.run_model = capturing_run
-    return llm, captured
+    return captured
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_logits_match_transformers_at_prefill_and_every_decode_step(arch, tiny_checkpoint):
     folder, hf = tiny_checkpoint(arch)
-    llm, captured = engine_with_logit_capture(folder)
+    llm = LLM(str(folder), dtype="float32")
+    captured = capture_logits(llm)
     prompt = prompts(4)[3]
     (out,) = llm.generate([prompt], GREEDY)
     ref_tokens, ref_logits = hf_greedy(hf, prompt)
