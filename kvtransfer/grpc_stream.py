@@ -1,5 +1,6 @@
 """KV transfer over a gRPC client stream (works everywhere): `KVTransfer.Push`, one stream per
-(request, destination rank); the destination rank's server writes each piece into its cache and
+(request, destination rank) and one message per layer (all its pieces for that rank: a 2,048-token
+prompt is 30 messages, not 3,840); the destination rank's server writes the pieces into its cache and
 answers once the stream ends, which is the acknowledgement `finish` waits for."""
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ class GrpcStreamSender(KVSender):
         super().__init__()
         self.request_id, self.dst_rank, self.timeout_s = request_id, dst_rank, timeout_s
         self._stub = internal_pb2_grpc.KVTransferStub(channel)
-        self._queue: queue.Queue = queue.Queue(maxsize=256)  # bounded: a slow receiver slows the sender
+        self._queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: a slow receiver slows the sender
         self._call = None
+        self._layer: int | None = None
+        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
 
     def _requests(self):
         while (item := self._queue.get()) is not _END:
@@ -49,13 +52,26 @@ class GrpcStreamSender(KVSender):
     def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._call is None:
             self._call = self._stub.Push.future(self._requests(), timeout=self.timeout_s)
-        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
-                                       dst_slot=piece.dst_slot, num_tokens=piece.num_tokens, dtype=DTYPES[keys.dtype],
+        if self._layer is not None and layer != self._layer:
+            self.flush()
+        self._layer = layer
+        self._pending.append((piece, keys, values))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pieces, self._pending = self._pending, []
+        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
+        values = torch.cat([v for _, _, v in pieces])
+        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=self._layer, dst_rank=self.dst_rank,
+                                       dst_slots=[p.dst_slot for p, _, _ in pieces],
+                                       run_tokens=[p.num_tokens for p, _, _ in pieces], dtype=DTYPES[keys.dtype],
                                        keys=tensor_bytes(keys), values=tensor_bytes(values)))
 
     def _finish(self, timeout_s: float) -> None:
         if self._call is None:
             return  # nothing to send to this rank
+        self.flush()
         self._put(_END)
         try:
             self._call.result(timeout=timeout_s)
@@ -83,8 +99,13 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
             if msg.dst_rank != self.rank:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"piece for rank {msg.dst_rank} sent to rank {self.rank}")
             try:
+                if len(msg.dst_slots) != len(msg.run_tokens):
+                    raise PieceRejected(f"{len(msg.dst_slots)} dst_slots for {len(msg.run_tokens)} run_tokens")
                 keys, values = (self._tensor(data, msg) for data in (msg.keys, msg.values))
-                total += self.receiver.write(msg.request_id, msg.layer, msg.dst_slot, keys, values)
+                row = 0
+                for slot, n in zip(msg.dst_slots, msg.run_tokens):
+                    total += self.receiver.write(msg.request_id, msg.layer, slot, keys[row:row + n], values[row:row + n])
+                    row += n
             except PieceRejected as e:
                 code = grpc.StatusCode.NOT_FOUND if "no KV reservation" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
                 context.abort(code, str(e))
@@ -95,8 +116,8 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
         dtype = TORCH_DTYPES.get(msg.dtype)
         if dtype is None:
             raise PieceRejected(f"dtype {msg.dtype} is not one of float32, bfloat16, float16")
-        shape = (msg.num_tokens, self.receiver.num_heads, self.receiver.head_dim)
+        shape = (sum(msg.run_tokens), self.receiver.num_heads, self.receiver.head_dim)
         expected = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
         if len(data) != expected:
-            raise PieceRejected(f"piece of {msg.num_tokens} tokens must carry {expected} bytes per tensor, got {len(data)}")
+            raise PieceRejected(f"pieces of {shape[0]} tokens must carry {expected} bytes per tensor, got {len(data)}")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)

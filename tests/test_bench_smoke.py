@@ -39,3 +39,10 @@ def test_kernel_bench_runs():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| paged decode attention |" in proc.stdout and "| MoE combine (top-2) |" in proc.stdout
+
+
+def test_kvtransfer_bench_runs():
+    proc = subprocess.run([sys.executable, str(BENCH / "kvtransfer.py"), "--quick"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| gRPC stream (loopback) |" in proc.stdout and "| torch p2p (gloo pair group) |" in proc.stdout

@@ -158,24 +158,24 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cp_method: _Optional[_Union[CPMethod, str]] = ..., cp_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class KVPiece(_message.Message):
-    __slots__ = ("request_id", "layer", "dst_rank", "dst_slot", "num_tokens", "dtype", "keys", "values")
+    __slots__ = ("request_id", "layer", "dst_rank", "dst_slots", "run_tokens", "dtype", "keys", "values")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
-    DST_SLOT_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layer: int
     dst_rank: int
-    dst_slot: int
-    num_tokens: int
+    dst_slots: _containers.RepeatedScalarFieldContainer[int]
+    run_tokens: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     keys: bytes
     values: bytes
-    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_rank: _Optional[int] = ..., dst_slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_rank: _Optional[int] = ..., dst_slots: _Optional[_Iterable[int]] = ..., run_tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("bytes", "pieces")

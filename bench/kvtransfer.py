@@ -1,0 +1,128 @@
+"""KV transfer throughput: one prompt's KV (SmolLM2 shapes: 30 layers, 3 KV heads, head_dim 64, bf16)
+from a prefill cache (block 16) into reserved decode blocks (block 16), over each transport.
+
+    python bench/kvtransfer.py [--tokens 2048] [--quick]
+
+Rows: gRPC stream (loopback, in one process: server threads + sender), torch.distributed p2p over a
+gloo pair group (two processes), and the floor of the same bytes: one gloo send of a single tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
+from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService  # noqa: E402
+from kvtransfer.plan import DecodeLayout, PrefillLayout, plan  # noqa: E402
+from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender  # noqa: E402
+from kvtransfer.transport import KVReceiver  # noqa: E402
+from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def layouts(tokens: int):
+    blocks = -(-tokens // BLOCK)
+    src = PrefillLayout(token_ranges=(((0, tokens),),), num_kv_heads=HEADS, block_size=BLOCK,
+                        block_table=tuple(range(blocks)))
+    dst = DecodeLayout(head_ranges=((0, HEADS),), block_size=BLOCK, block_table=tuple(range(blocks, 2 * blocks)))
+    return src, dst, plan(src, dst)
+
+
+def cache(blocks: int):
+    return [(torch.randn(blocks, BLOCK, HEADS, HEAD_DIM).bfloat16(), torch.randn(blocks, BLOCK, HEADS, HEAD_DIM).bfloat16())
+            for _ in range(LAYERS)]
+
+
+def push(sender, kv, pieces) -> None:
+    for layer, (k, v) in enumerate(kv):
+        flat_k, flat_v = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
+        for p in pieces:
+            rows = slice(p.src_slot, p.src_slot + p.num_tokens)
+            sender.send(layer, p, flat_k[rows].clone(), flat_v[rows].clone())
+        sender.flush()
+    sender.finish()
+
+
+def bench_grpc(tokens: int, repeats: int) -> float:
+    src, dst, pieces = layouts(tokens)
+    blocks = 2 * len(src.block_table)
+    receiver = KVReceiver(cache(blocks), lambda rid: dst.block_table)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    kv = cache(blocks)
+    times = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        for i in range(repeats):
+            start = time.perf_counter()
+            push(GrpcStreamSender(ch, f"r{i}", 0), kv, pieces)
+            times.append(time.perf_counter() - start)
+    server.stop(None)
+    return statistics.median(times)
+
+
+def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None:
+    torch.set_num_threads(1)
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    src, dst, pieces = layouts(tokens)
+    blocks = 2 * len(src.block_table)
+    if rank == 1:
+        TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table))
+        floor = torch.empty(LAYERS * 2 * tokens * HEADS * HEAD_DIM, dtype=torch.bfloat16)
+        for _ in range(repeats):
+            group.recv([floor], 0, 99).wait()
+        group.barrier().wait()
+        return
+    kv = cache(blocks)
+    times, floors = [], []
+    one_tensor = torch.randn(LAYERS * 2 * tokens * HEADS * HEAD_DIM).bfloat16()
+    for i in range(repeats):
+        start = time.perf_counter()
+        push(TorchP2PSender(group, f"r{i}", 1), kv, pieces)
+        times.append(time.perf_counter() - start)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        group.send([one_tensor], 1, 99).wait()
+        floors.append(time.perf_counter() - start)
+    group.barrier().wait()
+    results.put((statistics.median(times), statistics.median(floors)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    tokens, repeats = (64, 2) if args.quick else (args.tokens, 5)
+    total = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 2
+    grpc_s = bench_grpc(tokens, repeats)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_worker, args=(port, tokens, repeats, results), nprocs=2)
+    p2p_s, floor_s = results.get()
+    print(f"### KV transfer, {tokens} tokens, {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM} bf16 "
+          f"= {total / 1e6:.1f} MB, median of {repeats}\n")
+    print("| transport | seconds | GB/s |\n|---|---|---|")
+    for name, seconds in (("gRPC stream (loopback)", grpc_s), ("torch p2p (gloo pair group)", p2p_s),
+                          ("floor: one gloo send of the same bytes", floor_s)):
+        print(f"| {name} | {seconds:.3f} | {total / seconds / 1e9:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
