@@ -75,46 +75,64 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
         if not ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
         with server_span(context, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
-            with tracer().start_as_current_span("router.route") as route_span:
+            failed: set[str] = set()  # decode instances that were unreachable for this request
+            while True:
+                chosen = self._route(ids, failed, context)
+                streamed = False
                 try:
-                    chosen = route(prompt_tokens=len(ids), decodes=self.registry.instances(Role.DECODE),
-                                   prefills=self.registry.instances(Role.PREFILL), policy=self.settings.policy,
-                                   turn=next(self._turns), prefix_hits=self.registry.prefix_hits(
-                                       prefix_hashes(ids, self.block_size)),
-                                   block_size=self.block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
-                except NoInstance as e:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                route_span.set_attributes({"decode": chosen.decode.id, "prefill": chosen.prefill.id if chosen.prefill else "",
-                                           "reason": chosen.reason})
-            timeout = self._remaining(context)
-            metadata = outgoing_metadata()
-            decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
+                    for response in self._attempt(rid, ids, sampling, chosen, context, started):
+                        streamed = True
+                        if response.HasField("final"):
+                            span.set_attribute("completion_tokens", response.final.usage.completion_tokens)
+                        yield response
+                    return
+                except grpc.RpcError as e:
+                    if e.code() is grpc.StatusCode.UNAVAILABLE and not streamed and context.is_active():
+                        failed.add(chosen.decode.id)  # gone before its first token: try another instance
+                        span.add_event("retry", {"unavailable": chosen.decode.id})
+                        continue
+                    context.abort(e.code(), f"{chosen.decode.id}: {e.details()}")
+
+    def _route(self, ids: list[int], failed: set[str], context):
+        with tracer().start_as_current_span("router.route") as route_span:
             try:
-                if chosen.prefill is None:
-                    request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
-                                                         sampling=sampling)
-                else:
-                    request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, timeout)
-                responses = decode.Decode(request, timeout=self._remaining(context), metadata=metadata)
-                context.add_callback(responses.cancel)  # the client left: stop the work downstream
-                first_at = None
-                for response in responses:
-                    if response.HasField("delta"):
-                        first_at = first_at or time.monotonic()
-                        yield response
-                    else:
-                        final = response.final
-                        end = time.monotonic()
-                        final.request_id = rid
-                        final.prompt_token_ids[:] = ids
-                        tokens = final.usage.completion_tokens
-                        final.timings.CopyFrom(common_pb2.Timings(
-                            ttft_s=(first_at or end) - started, total_s=end - started,
-                            tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
-                        span.set_attribute("completion_tokens", tokens)
-                        yield response
-            except grpc.RpcError as e:
-                context.abort(e.code(), f"{chosen.decode.id}: {e.details()}")
+                chosen = route(prompt_tokens=len(ids),
+                               decodes=[d for d in self.registry.instances(Role.DECODE) if d.id not in failed],
+                               prefills=self.registry.instances(Role.PREFILL), policy=self.settings.policy,
+                               turn=next(self._turns), prefix_hits=self.registry.prefix_hits(
+                                   prefix_hashes(ids, self.block_size)),
+                               block_size=self.block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
+            except NoInstance as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e) + (f" (unreachable: {', '.join(sorted(failed))})"
+                                                                     if failed else ""))
+            route_span.set_attributes({"decode": chosen.decode.id, "prefill": chosen.prefill.id if chosen.prefill else "",
+                                       "reason": chosen.reason})
+        return chosen
+
+    def _attempt(self, rid: str, ids: list[int], sampling, chosen, context, started: float):
+        """One try on the chosen instances: the responses to forward, the final one completed with timings."""
+        metadata = outgoing_metadata()
+        decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
+        if chosen.prefill is None:
+            request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                                 sampling=sampling)
+        else:
+            request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(context))
+        responses = decode.Decode(request, timeout=self._remaining(context), metadata=metadata)
+        context.add_callback(responses.cancel)  # the client left: stop the work downstream
+        first_at = None
+        for response in responses:
+            if response.HasField("delta"):
+                first_at = first_at or time.monotonic()
+            else:
+                final, end = response.final, time.monotonic()
+                final.request_id = rid
+                final.prompt_token_ids[:] = ids
+                tokens = final.usage.completion_tokens
+                final.timings.CopyFrom(common_pb2.Timings(
+                    ttft_s=(first_at or end) - started, total_s=end - started,
+                    tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
+            yield response
 
     def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
         target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),

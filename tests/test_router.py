@@ -135,3 +135,18 @@ def test_bad_input_and_missing_instances_get_clear_codes(mesh, tiny_checkpoint):
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "no decode instance is serving" in e.value.details()
     finally:
         lonely.stop()
+
+
+def test_a_decode_instance_that_is_gone_is_skipped_before_the_first_token(mesh):
+    router, _, decode, registry, reference = mesh
+    from mesh.registry import InstanceInfo, InstanceState, Role
+
+    # a record that outlived its process: the least loaded on paper, unreachable in fact
+    ghost = InstanceInfo(id="aaa-ghost", role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m",
+                         state=InstanceState.SERVING, kv_blocks_total=10_000)
+    registry.register(ghost, ttl_s=60)
+    try:
+        tokens, _ = generate(router.address, [5, 6, 7])
+        assert tokens == reference.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    finally:
+        registry.deregister("aaa-ghost")
