@@ -10,7 +10,6 @@ import queue
 import grpc
 import torch
 
-from kvtransfer.plan import Piece
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
@@ -31,8 +30,6 @@ class GrpcStreamSender(KVSender):
         self._stub = internal_pb2_grpc.KVTransferStub(channel)
         self._queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: a slow receiver slows the sender
         self._call = None
-        self._layer: int | None = None
-        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
 
     def _requests(self):
         while (item := self._queue.get()) is not _END:
@@ -49,29 +46,16 @@ class GrpcStreamSender(KVSender):
             except queue.Full:
                 continue
 
-    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._call is None:
             self._call = self._stub.Push.future(self._requests(), timeout=self.timeout_s)
-        if self._layer is not None and layer != self._layer:
-            self.flush()
-        self._layer = layer
-        self._pending.append((piece, keys, values))
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        pieces, self._pending = self._pending, []
-        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
-        values = torch.cat([v for _, _, v in pieces])
-        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=self._layer, dst_rank=self.dst_rank,
-                                       dst_slots=[p.dst_slot for p, _, _ in pieces],
-                                       run_tokens=[p.num_tokens for p, _, _ in pieces], dtype=DTYPES[keys.dtype],
-                                       keys=tensor_bytes(keys), values=tensor_bytes(values)))
+        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
+                                       dst_slots=[slot for slot, _ in runs], run_tokens=[n for _, n in runs],
+                                       dtype=DTYPES[keys.dtype], keys=tensor_bytes(keys), values=tensor_bytes(values)))
 
     def _finish(self, timeout_s: float) -> None:
         if self._call is None:
             return  # nothing to send to this rank
-        self.flush()
         self._put(_END)
         try:
             self._call.result(timeout=timeout_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.plan import DecodeLayout, Piece, PrefillLayout, plan
-from kvtransfer.transport import KVSender, TransferError, TransferState, TransferStats
+from kvtransfer.transport import KVSender, TransferError, TransferStats
 
 
 class PlanSink:
@@ -33,20 +33,13 @@ class PlanSink:
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for piece in self.pieces:
-            sender = self.senders[piece.dst_rank]
-            if sender.state is TransferState.FAILED:
-                continue  # finish() reports it; the engine step must not fail for a transfer
             rows, heads = slice(piece.src_slot, piece.src_slot + piece.num_tokens), slice(*piece.heads)
-            try:
-                sender.send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
-            except TransferError:
-                pass  # the sender is FAILED now
+            self.senders[piece.dst_rank].send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
         for sender in self.senders:
-            if sender.state is not TransferState.FAILED:
-                try:
-                    sender.flush()
-                except TransferError:
-                    pass
+            try:
+                sender.flush()
+            except TransferError:
+                pass  # the sender is FAILED now; finish() raises it
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""

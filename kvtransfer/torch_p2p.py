@@ -19,7 +19,6 @@ import threading
 
 import torch
 
-from kvtransfer.plan import Piece
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 
 TAG_DESCRIPTOR, TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3, 4
@@ -44,23 +43,9 @@ class TorchP2PSender(KVSender):
     def __init__(self, group, request_id: str, dst_group_rank: int) -> None:
         super().__init__()
         self.group, self.request_id, self.dst = group, request_id, dst_group_rank
-        self._layer: int | None = None
-        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
 
-    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self._layer is not None and layer != self._layer:
-            self.flush()
-        self._layer = layer
-        self._pending.append((piece, keys, values))
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        pieces, self._pending = self._pending, []
-        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
-        payload = torch.stack([keys, torch.cat([v for _, _, v in pieces])])  # [2, N, H, D]
-        header = _header(self.request_id, self._layer, [(p.dst_slot, p.num_tokens) for p, _, _ in pieces])
-        self._exchange(DATA, header, payload)
+    def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._exchange(DATA, _header(self.request_id, layer, runs), torch.stack([keys, values]))  # [2, N, H, D]
 
     def _exchange(self, kind: int, header: torch.Tensor, payload: torch.Tensor | None) -> None:
         heads, head_dim = (payload.shape[2], payload.shape[3]) if payload is not None else (0, 0)
@@ -76,7 +61,6 @@ class TorchP2PSender(KVSender):
             raise TransferError(f"KV send to group rank {self.dst} failed: {e}") from None
 
     def _finish(self, timeout_s: float) -> None:
-        self.flush()
         self._exchange(END, _header(self.request_id, -1, []), None)
         ack = torch.zeros(3, dtype=torch.long)  # status, bytes, reason length
         try:

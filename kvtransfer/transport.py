@@ -3,9 +3,10 @@
     PENDING --send()--> TRANSFERRING --finish()--> DONE
                              \\--(error, timeout, abort)--> FAILED
 
-A sender is used from one thread: `send` pieces in layer order, then `finish`,
-which returns only once the receiver has acknowledged every piece (or raises
-`TransferError` and leaves the sender FAILED). The receiving side is a
+A sender is used from one thread: `send` pieces in layer order (a transport gets
+each layer's pieces as one batch), then `finish`, which returns only once the
+receiver has acknowledged every piece (or raises `TransferError` and leaves the
+sender FAILED). The receiving side is a
 `KVReceiver` writing pieces into a rank's cache after checking each one lands in
 blocks reserved for that request. `LoopbackSender` calls a receiver in process
 (tests, warm-up); gRPC streams and torch.distributed point-to-point are the real ones.
@@ -87,31 +88,47 @@ class KVReceiver:
 
 
 class KVSender(abc.ABC):
+    """Collects one layer's pieces and hands them to the transport as one batch (`_send_layer`) when the
+    layer changes, on `flush()` (the sink calls it after each layer) and on `finish()`."""
+
     def __init__(self) -> None:
         self.state = TransferState.PENDING
         self._bytes = self._pieces = 0
         self._started = 0.0
         self._error: TransferError | None = None
+        self._layer: int | None = None
+        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
 
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.state is TransferState.FAILED:
             return  # already failed: finish() reports it
         if self.state is TransferState.PENDING:
             self.state, self._started = TransferState.TRANSFERRING, time.perf_counter()
-        try:
-            self._send(layer, piece, keys, values)
-        except Exception as e:
-            self.state = TransferState.FAILED
-            self._error = e if isinstance(e, TransferError) else TransferError(f"sending a KV piece failed: {e!r}")
-            raise self._error from None
+        if self._layer is not None and layer != self._layer:
+            self.flush()
+        self._layer = layer
+        self._pending.append((piece, keys, values))
         self._bytes += 2 * keys.numel() * keys.element_size()
         self._pieces += 1
 
     def flush(self) -> None:
-        """The layer's pieces are all sent: a transport that batches per layer sends them now."""
+        """Send the pieces collected for the current layer; raises TransferError (and stays FAILED) on failure."""
+        if not self._pending or self.state is TransferState.FAILED:
+            return
+        pieces, self._pending = self._pending, []
+        runs = [(p.dst_slot, p.num_tokens) for p, _, _ in pieces]
+        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
+        values = torch.cat([v for _, _, v in pieces])
+        try:
+            self._send_layer(self._layer, runs, keys, values)
+        except Exception as e:
+            self.state = TransferState.FAILED
+            self._error = e if isinstance(e, TransferError) else TransferError(f"sending KV failed: {e!r}")
+            raise self._error from None
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         try:
+            self.flush()
             if self.state is TransferState.FAILED:
                 raise self._error or TransferError("an earlier piece failed to send")
             self._finish(timeout_s)
@@ -122,7 +139,8 @@ class KVSender(abc.ABC):
         return TransferStats(self._bytes, self._pieces, time.perf_counter() - self._started if self._started else 0.0)
 
     @abc.abstractmethod
-    def _send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+    def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One layer's pieces: `runs` of (first destination slot, tokens); keys/values [sum(tokens), H, D]."""
 
     @abc.abstractmethod
     def _finish(self, timeout_s: float) -> None:
@@ -134,8 +152,11 @@ class LoopbackSender(KVSender):
         super().__init__()
         self.receiver, self.request_id = receiver, request_id
 
-    def _send(self, layer, piece, keys, values) -> None:
-        self.receiver.write(self.request_id, layer, piece.dst_slot, keys, values)
+    def _send_layer(self, layer, runs, keys, values) -> None:
+        row = 0
+        for slot, n in runs:
+            self.receiver.write(self.request_id, layer, slot, keys[row:row + n], values[row:row + n])
+            row += n
 
     def _finish(self, timeout_s: float) -> None:
         pass
