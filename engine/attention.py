@@ -95,7 +95,7 @@ def paged_attention(
         from engine.kernels.paged_decode import paged_decode_attention  # Triton: CUDA only
 
         od, _ = paged_decode_attention(q[: meta.num_decode].contiguous(), k_cache, v_cache,
-                                       meta.decode_block_tables.to(torch.int32), meta.decode_context_lens, scale)
+                                       meta.decode_block_tables, meta.decode_context_lens, scale)
         outputs.append(od)  # [B, Hq, D]
     elif meta.num_decode:
         tables = meta.decode_block_tables

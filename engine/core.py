@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from engine.block_manager import BlockManager
-from engine.parallel.executor import ParallelExecutor
 from engine.kv_cache import num_blocks_for
 from engine.parallel.context import ParallelConfig, ParallelContext
+from engine.parallel.executor import ParallelExecutor
 from engine.parallel.tp import max_kv_heads_per_rank
 from engine.runner import build_runner
 from engine.sampler import SamplingParams, TokenLogprobs, sample

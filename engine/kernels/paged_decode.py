@@ -6,7 +6,7 @@ log-sum-exp; `merge_lse` (the same merge context parallelism uses) combines the
 splits. Splitting the context keeps every SM busy at batch 1 with long contexts.
 
     out, lse = paged_decode_attention(q [B, Hq, D], k_cache, v_cache [blocks, block_size, Hkv, D],
-                                      block_tables [B, max_blocks] int32, context_lens [B] int32, scale)
+                                      block_tables [B, max_blocks] int32/int64, context_lens [B] int32, scale)
 
 GQA by plain groups (query head h reads KV head h // (Hq // Hkv)).
 """
