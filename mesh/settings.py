@@ -58,6 +58,7 @@ class RouterSettings(ServiceSettings):
     policy: str = "least_load"  # round_robin | least_load | prefix_aware
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode prefills uncached parts this short
     request_timeout_s: float = 300.0
+    block_size: int = 16  # the decode instances' KV block size: prompts are hashed in blocks of it for prefix hits
 
     def __post_init__(self) -> None:
         super(RouterSettings, self).__post_init__()

@@ -39,7 +39,7 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
         self.config, self.tokenizer = load_model_info(settings.model)
         self.channels = rpc.ChannelPool()
         self._turns = itertools.count()
-        self.block_size = 16  # the engines' default; prefix hits count blocks of this size
+        self.block_size = settings.block_size
 
     def ListModels(self, request, context):
         cfg = self.config
