@@ -36,9 +36,12 @@ class KVSink(Protocol):
     """Takes a request's prompt KV layer by layer, during the step that completes the prompt.
 
     `push_layer` must copy or send what it needs before returning: the blocks may be
-    reused once the request finishes."""
+    reused once the request finishes. On a context-parallel instance this sink gets rank 0's share;
+    the other ranks push theirs from their `attach` hook, driven by `StepPlan.pushes`."""
 
-    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int]) -> None: ...
+    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
+                   stored: torch.Tensor | None) -> None:
+        """`stored`: this rank's slot mask [slots] (a context-parallel rank stores some tokens), None = all."""
 
 
 class RequestError(ValueError):
@@ -120,12 +123,15 @@ class EngineCore:
         self._seeded: dict[str, torch.Generator] = {}
         self._sinks: dict[str, KVSink] = {}
         self._ended_reservations: list[str] = []
+        self.last_cp_choices: dict = {}  # request id -> CPChoice of its prefill chunk in the last step (cp > 1)
 
     # ---- requests -----------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_sink: KVSink | None = None) -> Sequence:
         """Queue a request. With `kv_sink`, its prompt's KV is pushed there layer by layer as it completes."""
+        if kv_sink is not None and self.parallel.tp > 1:
+            raise ValueError("pushing KV out of a tensor-parallel instance is not supported (prefill uses cp)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if kv_sink is not None:
             self._sinks[request_id] = kv_sink
@@ -229,19 +235,22 @@ class EngineCore:
 
     def run_model(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """The sampling chunks and their logits [len(sampling), V], row for row."""
-        plan, ordered = plan_step(chunks, self.config.block_size, tuple(self._ended_reservations))
+        plan, ordered = plan_step(chunks, self.config.block_size, tuple(self._ended_reservations),
+                                  frozenset(self._sinks))
         self._ended_reservations.clear()
-        pushing = [(self._sinks[c.seq.request_id], c.seq.block_table) for c in ordered
-                   if c.seq.request_id in self._sinks and c.end == c.seq.num_prompt_tokens]
+        pushing = [(self._sinks[rid], plan.chunks[i].block_table) for i, rid in plan.pushes]
         logits = self.executor.execute(plan, self._pusher(pushing) if pushing else None)
+        choices = self.executor.last_choices
+        self.last_cp_choices = {c.seq.request_id: choice for c, choice in zip(
+            (c for c in ordered if c.num_tokens > 1), choices)}
         return [ordered[i] for i in plan.sampling_indices], logits
 
-    def _pusher(self, pushing: list[tuple[KVSink, list[int]]]):
-        kv_cache = self.kv_cache
+    def _pusher(self, pushing: list[tuple[KVSink, tuple[int, ...]]]):
+        kv_cache, stored = self.kv_cache, self.executor.stored_slots
 
         def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
             for sink, table in pushing:
-                sink.push_layer(layer, *kv_cache[layer], table)
+                sink.push_layer(layer, *kv_cache[layer], table, stored)
 
         return on_layer
 

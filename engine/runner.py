@@ -25,6 +25,9 @@ class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
 
+    stored_slots: torch.Tensor | None = None  # slot mask of the tokens this rank stores; None = every slot
+    last_choices: list = []  # pass-KV/pass-Q choice per prefill chunk of the last step (context parallel only)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [len(plan.sampling_indices), V] (float32), in plan order. `on_layer(i)` runs as each
@@ -51,14 +54,14 @@ class ModelRunner:
                               prefill_chunks=prefill_chunks, block_size=bs, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with _after_each_layer(self.model, on_layer):
+        with after_each_layer(self.model, on_layer):
             hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, D]
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [S, V]
 
 
 @contextlib.contextmanager
-def _after_each_layer(model: Transformer, on_layer: Callable[[int], None] | None):
+def after_each_layer(model: Transformer, on_layer: Callable[[int], None] | None):
     if on_layer is None:
         yield
         return

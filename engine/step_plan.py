@@ -37,19 +37,26 @@ class StepPlan:
     # KV reservations that ended since the last step (joined, recomputed or cancelled): ranks that accept
     # pushed KV stop writing into their blocks before this step may reuse them.
     ended_reservations: tuple[str, ...] = ()
+    # (chunk index, request id) of chunks that complete a prompt whose KV is pushed out layer by layer
+    # (each rank of a context-parallel prefill instance pushes the tokens it stores).
+    pushes: tuple[tuple[int, str], ...] = ()
 
     @property
     def sampling_indices(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.chunks) if c.samples)
 
 
-def plan_step(chunks: list[ScheduledChunk], block_size: int,
-              ended_reservations: tuple[str, ...] = ()) -> tuple[StepPlan, list[ScheduledChunk]]:
-    """The plan, and the scheduled chunks in plan order (to match logits rows back to sequences)."""
+def plan_step(chunks: list[ScheduledChunk], block_size: int, ended_reservations: tuple[str, ...] = (),
+              pushed: frozenset[str] = frozenset()) -> tuple[StepPlan, list[ScheduledChunk]]:
+    """The plan, and the scheduled chunks in plan order (to match logits rows back to sequences).
+    `pushed`: requests whose prompt KV goes to a sink once their prompt completes."""
     ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
     plan = StepPlan(tuple(
         ChunkPlan(tuple(c.seq.token_ids[c.start:c.end]), c.start, tuple(c.seq.block_table[: -(-c.end // block_size)]),
                   c.samples)
         for c in ordered
-    ), ended_reservations)
+    ), ended_reservations, tuple(
+        (i, c.seq.request_id) for i, c in enumerate(ordered)
+        if c.seq.request_id in pushed and c.end == c.seq.num_prompt_tokens
+    ))
     return plan, ordered

@@ -1,12 +1,15 @@
-"""The engine's KV sink for one request: cut each finished layer by the plan and hand the pieces to senders.
+"""The engine's KV sink for one request on one prefill rank: cut each finished layer by the plan and
+hand the pieces to senders (one per decode rank).
 
-`PlanSink` is what a prefill instance passes to `EngineCore.add_request(kv_sink=...)`.
-It never raises into the engine step: a destination that fails is skipped from
-then on and `finish` raises its TransferError.
-on the first layer it learns the prompt's blocks and computes the plan to the
-decode layout; every layer, it copies this rank's pieces out of the cache (the
-head range of each destination rank) and sends them; `finish` waits for every
-destination's acknowledgement.
+`PlanSink` is what a prefill instance passes to `EngineCore.add_request(kv_sink=...)`
+(and what each other rank of a context-parallel instance builds for itself). On
+the first layer it learns the prompt's blocks and which of its tokens this rank
+stores, and plans this rank's pieces to the decode layout: the ranks' stored
+tokens partition the prompt, so their plans together cover it exactly once.
+Every layer it copies its pieces out of the cache (the head range of each
+destination rank) and sends them; `finish` waits for every destination's
+acknowledgement. It never raises into the engine step: a destination that fails
+is skipped from then on and `finish` raises its TransferError.
 """
 
 from __future__ import annotations
@@ -19,17 +22,22 @@ from kvtransfer.transport import KVSender, TransferError, TransferStats
 
 class PlanSink:
     def __init__(self, *, num_tokens: int, num_kv_heads: int, block_size: int, target: DecodeLayout,
-                 senders: list[KVSender], src_rank: int = 0, token_ranges=None) -> None:
+                 senders: list[KVSender]) -> None:
         self.num_tokens, self.num_kv_heads, self.block_size = num_tokens, num_kv_heads, block_size
-        self.target, self.senders, self.src_rank = target, senders, src_rank
-        self.token_ranges = token_ranges or (((0, num_tokens),),)  # a single prefill rank holds every token
+        self.target, self.senders = target, senders
         self.pieces: tuple[Piece, ...] | None = None
+        self.error: TransferError | None = None  # the plan could not be made: nothing is sent
 
-    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int]) -> None:
+    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
+                   stored: torch.Tensor | None = None) -> None:
         if self.pieces is None:
-            source = PrefillLayout(token_ranges=self.token_ranges, num_kv_heads=self.num_kv_heads,
-                                   block_size=self.block_size, block_table=tuple(block_table[: -(-self.num_tokens // self.block_size)]))
-            self.pieces = tuple(p for p in plan(source, self.target) if p.src_rank == self.src_rank)
+            table = tuple(block_table[: -(-self.num_tokens // self.block_size)])
+            try:
+                source = PrefillLayout(token_ranges=(self._stored_runs(table, stored),),
+                                       num_kv_heads=self.num_kv_heads, block_size=self.block_size, block_table=table)
+                self.pieces = plan(source, self.target)
+            except ValueError as e:
+                self.pieces, self.error = (), TransferError(f"no transfer plan: {e}")
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for piece in self.pieces:
@@ -41,9 +49,25 @@ class PlanSink:
             except TransferError:
                 pass  # the sender is FAILED now; finish() raises it
 
+    def _stored_runs(self, table: tuple[int, ...], stored: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+        """[start, end) runs of the prompt's positions whose KV this rank stores."""
+        if stored is None:
+            return ((0, self.num_tokens),)
+        positions = torch.arange(self.num_tokens)
+        mine = stored[torch.tensor(table)[positions // self.block_size] * self.block_size
+                      + positions % self.block_size].tolist()  # [num_tokens] bool
+        runs, start = [], None
+        for p, held in enumerate(mine + [False]):
+            if held and start is None:
+                start = p
+            elif not held and start is not None:
+                runs.append((start, p))
+                start = None
+        return tuple(runs)
+
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""
-        results, error = [], None
+        results, error = [], self.error
         for sender in self.senders:
             try:
                 results.append(sender.finish(timeout_s))

@@ -161,6 +161,8 @@ def up(
     prefill_cp: int = typer.Option(1, help="Context-parallel ranks per prefill instance."),
     decode: int = typer.Option(1, help="Decode instances."),
     decode_tp: int = typer.Option(1, help="Tensor-parallel ranks per decode instance."),
+    local_prefill_max_tokens: int = typer.Option(
+        64, help="Prompts whose uncached part is at most this many tokens are prefilled on decode."),
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
@@ -168,7 +170,8 @@ def up(
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
-                decode_tp=decode_tp, registry=registry, trace=trace, dtype=dtype)
+                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, registry=registry, trace=trace,
+                dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             supervisor.check_children()
@@ -178,9 +181,14 @@ def up(
 def demo(
     prompt: str = typer.Option("What is the capital of France?", help="Asked as a chat message."),
     model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16."),
 ) -> None:
-    """Start a local mesh (one prefill, one decode, a router), stream one answer through it, stop it."""
-    spec = dict(model=model, port=0, prefill=1, decode=1)
+    """Start a local mesh (a prefill instance of two context-parallel ranks, one decode instance, a router),
+    stream one answer through it — prefilled by both CP ranks, its KV pushed to decode — and stop it.
+
+    float32 by default: on the demo question SmolLM2's first two candidates ("The", "L") are 0.08 apart,
+    less than bf16's logit step there (0.125), so a bf16 answer depends on rounding order."""
+    spec = dict(model=model, port=0, prefill=1, prefill_cp=2, decode=1, local_prefill_max_tokens=0, dtype=dtype)
     with _mesh(spec, None) as (supervisor, _):
         ids, deltas = _remote_stream(supervisor.router_address, prompt, True, dict(max_tokens=128, temperature=0.0))
         for _, text, _ in deltas:

@@ -43,6 +43,7 @@ class MeshSpec:
     prefill_cp: int = 1
     decode: int = 1
     decode_tp: int = 1
+    local_prefill_max_tokens: int = 64  # the router prefills shorter uncached parts on decode
     registry: str = "memory"
     trace: str = "none"
     dtype: str = "bfloat16"
@@ -54,9 +55,6 @@ class MeshSpec:
             raise ValueError(f"decode must be >= 1 (someone has to generate), got {self.decode}")
         if self.prefill < 0:
             raise ValueError(f"prefill must be >= 0, got {self.prefill}")
-        if self.prefill_cp != 1 and self.prefill:
-            raise ValueError(f"prefill_cp={self.prefill_cp}: pushing KV from context-parallel prefill instances "
-                             "is not supported yet; use --prefill-cp 1")
 
 
 @dataclass
@@ -91,7 +89,8 @@ class Supervisor:
                 self._spawn(f"prefill-{i}", "prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)])
             for i in range(s.decode):
                 self._spawn(f"decode-{i}", "decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])
-            self._spawn("router", "router.server", common + ["--port", str(s.port)])
+            self._spawn("router", "router.server", common + ["--port", str(s.port), "--local-prefill-max-tokens",
+                                                             str(s.local_prefill_max_tokens)])
             self._wait_until_ready(connect_registry(registry))
         except BaseException:
             self.stop()

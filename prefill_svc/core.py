@@ -3,9 +3,11 @@
 `prefill(request)` queues the prompt with `max_tokens=1` and a `PlanSink`: as
 the step that completes the prompt runs, each layer's KV is cut by the plan
 and handed to one sender per decode rank; the caller's thread then waits for
-the first token and for every decode rank's acknowledgement. A transfer that
-fails or times out is reported as `kv_ok=False` (decode then recomputes) —
-the request itself does not fail.
+the first token and for every decode rank's acknowledgement. On a
+context-parallel instance every rank pushes the tokens it stores (rank 0 here,
+the others through `prefill_svc.follower`), and the push is complete only when
+all ranks report success. A transfer that fails or times out is reported as
+`kv_ok=False` (decode then recomputes) — the request itself does not fail.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Callable
 
 from engine.core import EngineCore, StepOutput
 from engine.loop import EngineLoop
+from engine.parallel.cp_choice import CPChoice
 from engine.sampler import SamplingParams, TokenLogprobs
 from kvtransfer.plan import DecodeLayout
-from kvtransfer.sink import PlanSink
 from kvtransfer.transport import KVSender, TransferError, TransferStats
+from mesh.telemetry import outgoing_metadata
+from prefill_svc import follower
 
 SenderFactory = Callable[[str, str, int], KVSender]  # (decode rank address, request id, decode rank)
 
@@ -35,13 +39,17 @@ class PrefillResult:
     transfer: TransferStats | None
     cached_tokens: int
     prefill_seconds: float
+    cp_choice: CPChoice | None  # pass-KV or pass-Q and why (cp > 1)
 
 
 class PrefillCore:
     def __init__(self, engine: EngineCore, connect: SenderFactory, *, transfer_timeout_s: float = 60.0) -> None:
         self.engine, self.connect, self.transfer_timeout_s = engine, connect, transfer_timeout_s
         self.total_requests = 0
+        self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
+        self.store = engine.executor.store if self.followers else None
         self._waiting: dict[str, Future] = {}
+        self._choices: dict[str, CPChoice] = {}
         self._loop = EngineLoop(engine, self._deliver, name="prefill-engine", on_failure=self._fail_waiting)
 
     def start(self) -> "PrefillCore":
@@ -55,10 +63,20 @@ class PrefillCore:
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: DecodeLayout,
                 addresses: list[str]) -> PrefillResult:
         started = time.perf_counter()
-        sink = PlanSink(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
-                        block_size=self.engine.config.block_size, target=target,
-                        senders=[self.connect(address, request_id, rank) for rank, address in enumerate(addresses)])
+        spec = follower.PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
+                                 block_size=self.engine.config.block_size, target=target, addresses=tuple(addresses),
+                                 timeout_s=self.transfer_timeout_s, trace_context=tuple(outgoing_metadata()))
+        sink = spec.sink(lambda address, rank: self.connect(address, request_id, rank))
         first: Future = Future()
+        if self.store is not None:
+            follower.publish(self.store, request_id, spec)
+        try:
+            return self._prefill(request_id, prompt, params, sink, first, started)
+        finally:
+            if self.store is not None:
+                follower.forget(self.store, request_id, self.followers)
+
+    def _prefill(self, request_id, prompt, params, sink, first: Future, started: float) -> PrefillResult:
 
         def add():
             seq = self.engine.add_request(request_id, prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink)
@@ -71,11 +89,16 @@ class PrefillCore:
         prefill_seconds = time.perf_counter() - started
         try:
             stats, error = sink.finish(self.transfer_timeout_s), ""
+            if self.followers:
+                theirs = follower.collect(self.store, request_id, self.followers, self.transfer_timeout_s)
+                stats = TransferStats(stats.bytes + theirs.bytes, stats.pieces + theirs.pieces,
+                                      max(stats.seconds, theirs.seconds))
         except TransferError as e:
             stats, error = None, str(e)
         return PrefillResult(first_token=out.new_token_ids[0], logprobs=out.new_logprobs[0] if out.new_logprobs else None,
                              kv_ok=not error, kv_error=error, transfer=stats,
-                             cached_tokens=seq.num_cached_prompt_tokens, prefill_seconds=prefill_seconds)
+                             cached_tokens=seq.num_cached_prompt_tokens, prefill_seconds=prefill_seconds,
+                             cp_choice=self._choices.pop(request_id, None))
 
     def cancel(self, request_id: str) -> bool:
         def run():
@@ -95,6 +118,9 @@ class PrefillCore:
     def _deliver(self, out: StepOutput) -> None:
         waiting = self._waiting.pop(out.request_id, None)
         if waiting is not None and out.new_token_ids:
+            choice = self.engine.last_cp_choices.get(out.request_id)  # the step that just ran
+            if choice is not None:
+                self._choices[out.request_id] = choice
             waiting.set_result(out)
 
     def _fail_waiting(self, error: BaseException) -> None:

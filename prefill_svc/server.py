@@ -11,6 +11,7 @@ FAILED_PRECONDITION; cancelled -> CANCELLED.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ import grpc
 
 from engine.core import EngineConfig, EngineCore, RequestError
 from engine.parallel.context import ParallelConfig
+from engine.parallel.cp_choice import CPMethod
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import GrpcStreamSender
@@ -30,8 +32,12 @@ from mesh.service import Heartbeat, serve
 from mesh.settings import PrefillSettings
 from mesh.telemetry import server_span, tracer
 from prefill_svc.core import PrefillCore
+from prefill_svc.follower import push_kv
 from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+
+
+CP_METHODS = {CPMethod.PASS_KV: internal_pb2.CP_METHOD_PASS_KV, CPMethod.PASS_Q: internal_pb2.CP_METHOD_PASS_Q}
 
 
 class PrefillService(internal_pb2_grpc.PrefillServicer):
@@ -64,14 +70,17 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except RuntimeError as e:
                 context.abort(grpc.StatusCode.CANCELLED if "cancelled" in str(e) else grpc.StatusCode.UNAVAILABLE, str(e))
-            stats = result.transfer
-            _record_transfer_span(result, len(target.addresses))
-            span.set_attributes({"cached_tokens": result.cached_tokens, "cp_method": "none (cp=1)",
-                                 "kv_bytes": stats.bytes if stats else 0, "kv_ok": result.kv_ok})
+            stats, choice = result.transfer, result.cp_choice
+            method = CP_METHODS[choice.method] if choice else internal_pb2.CP_METHOD_UNSPECIFIED
+            reason = choice.reason if choice else f"cp={self.cp}: one rank" if self.cp == 1 else "a one-token prompt"
+            _record_transfer_span(result, len(target.addresses), self.cp)
+            span.set_attributes({"cached_tokens": result.cached_tokens, "kv_bytes": stats.bytes if stats else 0,
+                                 "cp_method": internal_pb2.CPMethod.Name(method), "cp_reason": reason,
+                                 "kv_ok": result.kv_ok})
             return internal_pb2.PrefillResponse(
                 first_token_id=result.first_token,
                 first_logprobs=logprobs_message(result.logprobs) if result.logprobs else None,
-                cp_method=internal_pb2.CP_METHOD_UNSPECIFIED, cp_reason="cp=1: one rank",
+                cp_method=method, cp_reason=reason,
                 cached_tokens=result.cached_tokens,
                 kv_status=internal_pb2.KV_STATUS_READY if result.kv_ok else internal_pb2.KV_STATUS_FAILED,
                 kv_bytes=stats.bytes if stats else 0, kv_seconds=stats.seconds if stats else 0.0,
@@ -81,12 +90,14 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))
 
 
-def _record_transfer_span(result, ranks: int) -> None:
-    """A `kvtransfer.push` child span covering the push (measured by the sink; ended when it was acknowledged)."""
+def _record_transfer_span(result, ranks: int, source_ranks: int) -> None:
+    """A `kvtransfer.push` child span covering the push of every rank (measured by the sinks; ended when all
+    were acknowledged); ranks 1.. of a CP instance add their own `kvtransfer.push.rank` spans."""
     stats = result.transfer
     end = time.time_ns()
     span = tracer().start_span("kvtransfer.push", start_time=end - int((stats.seconds if stats else 0) * 1e9),
                                attributes={"transport": "grpc_stream", "destination_ranks": ranks,
+                                           "source_ranks": source_ranks,
                                            "bytes": stats.bytes if stats else 0, "ok": result.kv_ok,
                                            "gb_per_s": round(stats.gb_per_s, 3) if stats else 0.0,
                                            "error": result.kv_error})
@@ -111,13 +122,11 @@ class PrefillInstance:
 
     def __init__(self, settings: PrefillSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
         self.settings = s = settings
-        if s.cp != 1:
-            raise ValueError(f"cp={s.cp}: pushing KV from a context-parallel prefill instance is not supported yet")
         self.id = instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
         config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(cp=s.cp, cp_method=s.cp_method))
+                            ParallelConfig(cp=s.cp, cp_method=s.cp_method), attach=functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None)
         self.channels = rpc.ChannelPool()
         self.core = PrefillCore(engine, lambda address, rid, rank: GrpcStreamSender(self.channels.get(address), rid, rank)
                                 ).start()

@@ -40,19 +40,19 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("registry,decode_tp", [("memory", 2), ("redis", 1)])
-def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, decode_tp, tiny_checkpoint, request):
+@pytest.mark.parametrize("registry", ["memory", "redis"])
+def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request):
     folder, _ = tiny_checkpoint("llama")
     args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
-    args += ["--decode-tp", str(decode_tp)]
+    args += ["--prefill-cp", "2", "--decode-tp", "2"]  # the heterogeneous layout: CP prefill pushes to TP decode
     proc, address = start_mesh(str(folder), *args)
     status = json.loads(cli("status", "--target", address, "--json").stdout)
     pids = [i["pid"] for i in status["instances"]]
     try:
         roles = sorted(i["role"] for i in status["instances"])
         assert roles == ["decode", "prefill", "router"]
-        (decode,) = [i for i in status["instances"] if i["role"] == "decode"]
-        assert decode["parallel"] == {"tp": decode_tp, "cp": 1, "ep": 1}
+        parallel = {i["role"]: i["parallel"] for i in status["instances"]}
+        assert parallel["decode"] == {"tp": 2, "cp": 1, "ep": 1} and parallel["prefill"] == {"tp": 1, "cp": 2, "ep": 1}
         reference = LLM(str(folder), dtype="float32")
         for prompt in ("hello world", "the quick brown fox jumps over the lazy dog " * 8):  # local and disaggregated
             out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")
@@ -70,7 +70,7 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, decode_tp, tin
 def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     spans_file = tmp_path / "spans.jsonl"
-    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}")
+    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--prefill-cp", "2")
     pids = [i["pid"] for i in json.loads(cli("status", "--target", address, "--json").stdout)["instances"]]
     try:
         out = cli("generate", "the quick brown fox jumps over the lazy dog " * 8, "--target", address,
@@ -88,4 +88,7 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny
         assert by_name[name]["parent_id"] == root["span_id"], name
     assert by_name["kvtransfer.push"]["parent_id"] == by_name["prefill.run"]["span_id"]
     assert by_name["kvtransfer.push"]["attributes"]["bytes"] > 0
-    assert len({s["pid"] for s in spans}) == 3  # router, prefill and decode processes
+    rank_push = by_name["kvtransfer.push.rank"]  # prefill's second CP rank pushes its own tokens
+    assert rank_push["parent_id"] == by_name["prefill.run"]["span_id"] and rank_push["attributes"]["ok"]
+    assert rank_push["attributes"]["prefill_rank"] == 1 and rank_push["pid"] != by_name["prefill.run"]["pid"]
+    assert len({s["pid"] for s in spans}) == 4  # router, both prefill ranks and decode

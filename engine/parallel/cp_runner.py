@@ -14,6 +14,7 @@ contributes), and rank 0 computes the logits.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from engine.parallel.context import ParallelContext
 from engine.parallel.cp_attention import CPAttentionMetadata, CPSpan, context_parallel_attention
 from engine.parallel.cp_choice import CPChoice, CPMethod, choose_cp_method
 from engine.parallel.cp_shard import kv_segments, query_segments, shard_tokens
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, after_each_layer
 from engine.step_plan import ChunkPlan, StepPlan
 
 
@@ -39,8 +40,12 @@ class ContextParallelRunner(ModelRunner):
         for layer in model.layers:
             layer.self_attn.attend = context_parallel_attention
 
+    @property
+    def stored_slots(self) -> torch.Tensor:
+        return self.owned
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         self._record_ownership(plan)
         bs, dev = self.block_size, self.device
         token_ids: list[int] = []
@@ -84,7 +89,8 @@ class ContextParallelRunner(ModelRunner):
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, self.kv_cache, meta)  # [T_local, D]
+        with after_each_layer(self.model, on_layer):
+            hidden = self.model(ids, pos, self.kv_cache, meta)  # [T_local, D]
         sampled = hidden.new_zeros((len(sample_rows), hidden.shape[1]))  # [S, D]
         for i, row in enumerate(sample_rows):
             if row is not None:

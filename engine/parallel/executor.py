@@ -39,14 +39,21 @@ class ParallelExecutor:
     def kv_cache(self):
         return self.runner.kv_cache  # rank 0's share
 
+    @property
+    def stored_slots(self) -> torch.Tensor | None:
+        return self.runner.stored_slots
+
+    @property
+    def last_choices(self) -> list:
+        return self.runner.last_choices
+
     def execute(self, plan: StepPlan, on_layer=None) -> torch.Tensor:
-        if on_layer is not None:
-            raise NotImplementedError("pushing KV out of a multi-rank instance is not supported yet")
+        """`on_layer` runs on rank 0 only; followers push their share from their `attach` hook."""
         if self.ranks.context is None:
             raise ParallelError("this parallel instance has stopped; create a new one")
         try:
             send_plan(self.ranks.context.world, plan)
-            return self.runner.execute(plan)
+            return self.runner.execute(plan, on_layer)
         except BaseException as e:
             raise self.ranks.failure(e) from e
 
@@ -56,13 +63,13 @@ class ParallelExecutor:
 
 def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
                  source: str, layout: dict, attach=None) -> None:
-    """A follower rank's whole life: load, shard, then run every broadcast plan until `None`."""
+    """A follower rank's whole life: load, shard, then run every broadcast plan until `None`.
+    `attach(rank, store, runner)` returns `before_step(plan)`, which may return an `on_layer` for that step."""
     checkpoint = load_checkpoint(source, layout["dtype"])
     store.set(f"ready/{rank}", "1")
     ctx = connect(store, rank, parallel, timeout=timeout)
     runner = build_runner(checkpoint, ctx, **layout)
     before_step = attach(rank, store, runner) if attach is not None else None
     while (plan := receive_plan(ctx.world)) is not None:
-        if before_step is not None:
-            before_step(plan)
-        runner.execute(plan)
+        on_layer = before_step(plan) if before_step is not None else None
+        runner.execute(plan, on_layer)
