@@ -10,6 +10,7 @@ no room in the KV cache -> RESOURCE_EXHAUSTED, unknown request -> NOT_FOUND, dra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -25,6 +26,7 @@ from engine.parallel.tp import head_shard
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import DTYPES, KVTransferService
+from kvtransfer.pairing import PairHost, PairListener
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
@@ -38,9 +40,12 @@ EVENT_TIMEOUT_S = 600.0  # the longest gap between two tokens of one request bef
 
 
 class DecodeService(internal_pb2_grpc.DecodeServicer):
-    def __init__(self, core: DecodeCore, instance_id: str, address: str, rank_addresses: list[str]) -> None:
-        """`rank_addresses`: the KVTransfer servers of ranks 1..N-1 (rank 0's is this server, `address`)."""
+    def __init__(self, core: DecodeCore, instance_id: str, address: str, rank_addresses: list[str],
+                 pair_address: str) -> None:
+        """`rank_addresses`: the KVTransfer servers of ranks 1..N-1 (rank 0's is this server, `address`);
+        `pair_address`: the pairing store of the torch_p2p transport."""
         self.core, self.instance_id, self.address, self.rank_addresses = core, instance_id, address, rank_addresses
+        self.pair_address = pair_address
         cache = core.engine.kv_cache[0][0]
         self.block_size, self.dtype = cache.shape[1], cache.dtype
         cfg, tp = core.engine.model_config, core.engine.parallel.tp
@@ -50,11 +55,19 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         with server_span(context, "decode.reserve", request_id=request.request_id,
                          prompt_tokens=len(request.prompt_token_ids)):
             params = _sampling(request.sampling, context)
+            transport = request.transport or internal_pb2.KV_TRANSPORT_GRPC_STREAM
+            if transport == internal_pb2.KV_TRANSPORT_GRPC_STREAM:
+                addresses = [self.address, *self.rank_addresses]
+            elif transport == internal_pb2.KV_TRANSPORT_TORCH_P2P and self.pair_address:
+                addresses = [self.pair_address] * (1 + len(self.rank_addresses))
+            else:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "transport must be KV_TRANSPORT_GRPC_STREAM or "
+                              "KV_TRANSPORT_TORCH_P2P (CPU caches only), got "
+                              f"{internal_pb2.KVTransport.Name(transport)}")
             table, cached = _run(context, lambda: self.core.reserve(request.request_id, list(request.prompt_token_ids),
                                                                      params))
             return internal_pb2.ReserveResponse(target=internal_pb2.KVTarget(
-                decode_id=self.instance_id, transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM,
-                addresses=[self.address, *self.rank_addresses],
+                decode_id=self.instance_id, transport=transport, addresses=addresses,
                 head_ranges=[internal_pb2.HeadRange(start=a, end=b) for a, b in self.head_ranges], block_size=self.block_size,
                 block_table=list(table), first_token=cached, dtype=DTYPES[self.dtype]))
 
@@ -136,13 +149,16 @@ class DecodeInstance:
         self.id = instance_id or f"decode-{uuid.uuid4().hex[:8]}"
         config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
+        self.pairs = PairHost(s.host) if config.device == "cpu" else None  # torch_p2p runs over gloo
+        pair_address = self.pairs.address if self.pairs else ""
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config, ParallelConfig(tp=s.tp),
-                            attach=accept_kv if s.tp > 1 else None)
+                            attach=functools.partial(accept_kv, pair_address=pair_address, ranks=s.tp) if s.tp > 1 else None)
         store = engine.executor.store if s.tp > 1 else None
         rank_addresses = [store.get(f"kv-address/{r}").decode() for r in range(1, s.tp)] if store else []
         self.core = DecodeCore(engine, shared_store=store).start()
         receiver = KVReceiver(engine.kv_cache, self.core.reservations.get, self.core.kv_lock)
-        decode = DecodeService(self.core, self.id, address="", rank_addresses=rank_addresses)
+        self.pair_listener = PairListener(pair_address, 0, s.tp, receiver) if self.pairs else None
+        decode = DecodeService(self.core, self.id, address="", rank_addresses=rank_addresses, pair_address=pair_address)
         self.info = InstanceInfo(id=self.id, role=Role.DECODE, address="", pid=os.getpid(), model=s.model,
                                  parallel={"tp": s.tp, "cp": 1, "ep": 1}, state=InstanceState.SERVING)
         admin = AdminService(self.core, self.info)
@@ -167,7 +183,10 @@ class DecodeInstance:
         self._stopped = True
         self.heartbeat.stop()
         self.server.stop(grace=None)
-        self.core.stop()
+        if self.pair_listener:
+            self.pair_listener.stop()
+        self.core.stop()  # stops the follower ranks and their listeners
+        self.pairs = None  # closes the pairing store
 
 
 def main(argv: list[str] | None = None) -> None:

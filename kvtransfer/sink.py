@@ -31,6 +31,8 @@ class PlanSink:
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
                    stored: torch.Tensor | None = None) -> None:
         if self.pieces is None:
+            for sender in self.senders:
+                sender.open()
             table = tuple(block_table[: -(-self.num_tokens // self.block_size)])
             try:
                 source = PrefillLayout(token_ranges=(self._stored_runs(table, stored),),

@@ -8,14 +8,23 @@ slots (tag 2), and one payload holding keys and values of all the layer's pieces
 (tag 3). A final END descriptor asks for the acknowledgement (tag 4): status and
 bytes written, then the reason when a piece was refused.
 
+A sender's messages are atomic on its group: senders of one process share the
+group's `lock` (the engine step and a finishing thread may send at once), and
+`finish` holds it from END to the acknowledgement. The group may be given as a
+callable, called on `open()` (forming a pair group needs every rank: see
+`kvtransfer.pairing`).
+
 `TorchP2PReceiver` runs a thread on each decode rank that takes messages from any
 source (`recv_anysource` on the descriptor tag, then the rest from that source)
-and writes them through a `KVReceiver`. One transfer at a time per source rank.
+and writes them through a `KVReceiver`. That is gloo's; NCCL has no any-source
+receive, so CUDA caches would need one receive loop per source rank (not built).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -40,12 +49,24 @@ def _parse_header(header: torch.Tensor) -> tuple[str, int, list[tuple[int, int]]
 
 
 class TorchP2PSender(KVSender):
-    def __init__(self, group, request_id: str, dst_group_rank: int) -> None:
+    def __init__(self, group, request_id: str, dst_group_rank: int, lock: threading.Lock | None = None) -> None:
+        """`group`: a process group, or a callable returning it (called by `open`)."""
         super().__init__()
-        self.group, self.request_id, self.dst = group, request_id, dst_group_rank
+        self._group, self.request_id, self.dst = group, request_id, dst_group_rank
+        self.lock = lock or threading.Lock()
+
+    @property
+    def group(self):
+        if callable(self._group):
+            self._group = self._group()
+        return self._group
+
+    def _open(self) -> None:
+        self.group
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._exchange(DATA, _header(self.request_id, layer, runs), torch.stack([keys, values]))  # [2, N, H, D]
+        with self.lock:  # one message at a time on this group from this process
+            self._exchange(DATA, _header(self.request_id, layer, runs), torch.stack([keys, values]))  # [2, N, H, D]
 
     def _exchange(self, kind: int, header: torch.Tensor, payload: torch.Tensor | None) -> None:
         heads, head_dim = (payload.shape[2], payload.shape[3]) if payload is not None else (0, 0)
@@ -53,14 +74,19 @@ class TorchP2PSender(KVSender):
         descriptor = torch.tensor([kind, header.numel(), 0 if payload is None else payload.shape[1], dtype, heads,
                                    head_dim], dtype=torch.long)
         try:
-            self.group.send([descriptor], self.dst, TAG_DESCRIPTOR).wait()
-            self.group.send([header], self.dst, TAG_HEADER).wait()
+            group = self.group
+            group.send([descriptor], self.dst, TAG_DESCRIPTOR).wait()
+            group.send([header], self.dst, TAG_HEADER).wait()
             if payload is not None:
-                self.group.send([payload.contiguous()], self.dst, TAG_PAYLOAD).wait()
+                group.send([payload.contiguous()], self.dst, TAG_PAYLOAD).wait()
         except RuntimeError as e:
             raise TransferError(f"KV send to group rank {self.dst} failed: {e}") from None
 
     def _finish(self, timeout_s: float) -> None:
+        with self.lock:  # acknowledgements come in END order: nobody else may END in between
+            self._end()
+
+    def _end(self) -> None:
         self._exchange(END, _header(self.request_id, -1, []), None)
         ack = torch.zeros(3, dtype=torch.long)  # status, bytes, reason length
         try:
@@ -80,9 +106,12 @@ class TorchP2PSender(KVSender):
 class TorchP2PReceiver:
     """A daemon thread writing the pieces that arrive on `group` into `receiver`; stops when the group fails."""
 
-    def __init__(self, group, receiver: KVReceiver) -> None:
-        self.group, self.receiver = group, receiver
-        self.completed: dict[tuple[int, str], int] = {}  # (source group rank, request id) -> bytes, once acked
+    KEEP_COMPLETED = 1024
+
+    def __init__(self, group, receiver: KVReceiver, on_exit: Callable[[], None] | None = None) -> None:
+        self.group, self.receiver, self.on_exit = group, receiver, on_exit
+        # (source group rank, request id) -> bytes, once acknowledged; the latest KEEP_COMPLETED
+        self.completed: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._written: dict[tuple[int, str], int] = {}
         self._refused: dict[tuple[int, str], str] = {}
         self._done = threading.Condition()
@@ -98,7 +127,8 @@ class TorchP2PReceiver:
             while True:
                 self._receive_one()
         except RuntimeError:
-            return  # the group was closed or a peer died
+            if self.on_exit is not None:
+                self.on_exit()  # the group was closed or a peer died
 
     def _receive_one(self) -> None:
         descriptor = torch.zeros(6, dtype=torch.long)
@@ -131,4 +161,6 @@ class TorchP2PReceiver:
         else:
             with self._done:
                 self.completed[key] = written
+                while len(self.completed) > self.KEEP_COMPLETED:
+                    self.completed.popitem(last=False)
                 self._done.notify_all()

@@ -99,6 +99,22 @@ class KVSender(abc.ABC):
         self._layer: int | None = None
         self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
 
+    def open(self) -> None:
+        """Called by the sink on every source rank before its first layer, whether the rank has pieces or not
+        (a transport that forms a group needs every rank there). A failure leaves the sender FAILED."""
+        try:
+            self._open()
+        except Exception as e:
+            self._fail(e)
+
+    def _open(self) -> None:
+        pass
+
+    def _fail(self, error: Exception) -> TransferError:
+        self.state = TransferState.FAILED
+        self._error = error if isinstance(error, TransferError) else TransferError(f"sending KV failed: {error!r}")
+        return self._error
+
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.state is TransferState.FAILED:
             return  # already failed: finish() reports it
@@ -122,9 +138,7 @@ class KVSender(abc.ABC):
         try:
             self._send_layer(self._layer, runs, keys, values)
         except Exception as e:
-            self.state = TransferState.FAILED
-            self._error = e if isinstance(e, TransferError) else TransferError(f"sending KV failed: {e!r}")
-            raise self._error from None
+            raise self._fail(e) from None
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         try:

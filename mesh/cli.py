@@ -163,6 +163,7 @@ def up(
     decode_tp: int = typer.Option(1, help="Tensor-parallel ranks per decode instance."),
     local_prefill_max_tokens: int = typer.Option(
         64, help="Prompts whose uncached part is at most this many tokens are prefilled on decode."),
+    kv_transport: str = typer.Option("grpc_stream", help="grpc_stream | torch_p2p: how prefill pushes KV to decode."),
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
@@ -170,7 +171,7 @@ def up(
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
-                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, registry=registry, trace=trace,
+                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, kv_transport=kv_transport, registry=registry, trace=trace,
                 dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):

@@ -59,11 +59,14 @@ class RouterSettings(ServiceSettings):
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode prefills uncached parts this short
     request_timeout_s: float = 300.0
     block_size: int = 16  # the decode instances' KV block size: prompts are hashed in blocks of it for prefix hits
+    kv_transport: str = "grpc_stream"  # grpc_stream | torch_p2p: how prefill pushes KV to decode
 
     def __post_init__(self) -> None:
         super(RouterSettings, self).__post_init__()
         if self.policy not in ("round_robin", "least_load", "prefix_aware"):
             raise ValueError(f"policy must be round_robin, least_load or prefix_aware, got {self.policy!r}")
+        if self.kv_transport not in ("grpc_stream", "torch_p2p"):
+            raise ValueError(f"kv_transport must be grpc_stream or torch_p2p, got {self.kv_transport!r}")
 
 
 S = typing.TypeVar("S", bound=ServiceSettings)

@@ -44,6 +44,7 @@ class MeshSpec:
     decode: int = 1
     decode_tp: int = 1
     local_prefill_max_tokens: int = 64  # the router prefills shorter uncached parts on decode
+    kv_transport: str = "grpc_stream"  # or torch_p2p
     registry: str = "memory"
     trace: str = "none"
     dtype: str = "bfloat16"
@@ -89,8 +90,9 @@ class Supervisor:
                 self._spawn(f"prefill-{i}", "prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)])
             for i in range(s.decode):
                 self._spawn(f"decode-{i}", "decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])
-            self._spawn("router", "router.server", common + ["--port", str(s.port), "--local-prefill-max-tokens",
-                                                             str(s.local_prefill_max_tokens)])
+            self._spawn("router", "router.server", common + [
+                "--port", str(s.port), "--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
+                "--kv-transport", s.kv_transport])
             self._wait_until_ready(connect_registry(registry))
         except BaseException:
             self.stop()

@@ -5,7 +5,7 @@ the step that completes the prompt runs, each layer's KV is cut by the plan
 and handed to one sender per decode rank; the caller's thread then waits for
 the first token and for every decode rank's acknowledgement. On a
 context-parallel instance every rank pushes the tokens it stores (rank 0 here,
-the others through `prefill_svc.follower`), and the push is complete only when
+the others through `prefill_svc.push.push_kv`), and the push is complete only when
 all ranks report success. A transfer that fails or times out is reported as
 `kv_ok=False` (decode then recomputes) — the request itself does not fail.
 """
@@ -16,18 +16,15 @@ import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.core import EngineCore, StepOutput
 from engine.loop import EngineLoop
 from engine.parallel.cp_choice import CPChoice
 from engine.sampler import SamplingParams, TokenLogprobs
 from kvtransfer.plan import DecodeLayout
-from kvtransfer.transport import KVSender, TransferError, TransferStats
+from kvtransfer.transport import TransferError, TransferStats
 from mesh.telemetry import outgoing_metadata
-from prefill_svc import follower
-
-SenderFactory = Callable[[str, str, int], KVSender]  # (decode rank address, request id, decode rank)
+from prefill_svc import push
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +40,9 @@ class PrefillResult:
 
 
 class PrefillCore:
-    def __init__(self, engine: EngineCore, connect: SenderFactory, *, transfer_timeout_s: float = 60.0) -> None:
-        self.engine, self.connect, self.transfer_timeout_s = engine, connect, transfer_timeout_s
+    def __init__(self, engine: EngineCore, *, transfer_timeout_s: float = 60.0) -> None:
+        self.engine, self.transfer_timeout_s = engine, transfer_timeout_s
+        self.links = push.DecodeLinks(0, engine.parallel.cp)
         self.total_requests = 0
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None
@@ -59,24 +57,31 @@ class PrefillCore:
     def stop(self) -> None:
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
+        self.links.close()
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: DecodeLayout,
-                addresses: list[str]) -> PrefillResult:
+                addresses: list[str], transport: str = push.GRPC_STREAM) -> PrefillResult:
+        """`addresses`: per decode rank, its KVTransfer server (grpc_stream) or the pairing store (torch_p2p)."""
         started = time.perf_counter()
-        spec = follower.PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
-                                 block_size=self.engine.config.block_size, target=target, addresses=tuple(addresses),
-                                 timeout_s=self.transfer_timeout_s, trace_context=tuple(outgoing_metadata()))
-        sink = spec.sink(lambda address, rank: self.connect(address, request_id, rank))
-        first: Future = Future()
-        if self.store is not None:
-            follower.publish(self.store, request_id, spec)
+        spec = push.PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
+                             block_size=self.engine.config.block_size, target=target, addresses=tuple(addresses),
+                             timeout_s=self.transfer_timeout_s, transport=transport,
+                             trace_context=tuple(outgoing_metadata()))
         try:
-            return self._prefill(request_id, prompt, params, sink, first, started)
+            spec = self.links.prepare(spec)
+        except RuntimeError as e:  # the pairing store is unreachable: decode recomputes
+            return self._prefill(request_id, prompt, params, None, f"no KV pair with decode: {e}", started)
+        if self.store is not None:
+            push.publish(self.store, request_id, spec)
+        try:
+            return self._prefill(request_id, prompt, params, self.links.sink(spec, request_id), "", started)
         finally:
             if self.store is not None:
-                follower.forget(self.store, request_id, self.followers)
+                push.forget(self.store, request_id, self.followers)
 
-    def _prefill(self, request_id, prompt, params, sink, first: Future, started: float) -> PrefillResult:
+    def _prefill(self, request_id, prompt, params, sink, error: str, started: float) -> PrefillResult:
+        """With `sink` None nothing is pushed (`error` says why)."""
+        first: Future = Future()
 
         def add():
             seq = self.engine.add_request(request_id, prompt, dataclasses.replace(params, max_tokens=1), kv_sink=sink)
@@ -87,10 +92,12 @@ class PrefillCore:
         seq = self._loop.call(add)
         out: StepOutput = first.result()
         prefill_seconds = time.perf_counter() - started
+        stats = None
         try:
-            stats, error = sink.finish(self.transfer_timeout_s), ""
-            if self.followers:
-                theirs = follower.collect(self.store, request_id, self.followers, self.transfer_timeout_s)
+            if sink is not None:
+                stats = sink.finish(self.transfer_timeout_s)
+            if sink is not None and self.followers:
+                theirs = push.collect(self.store, request_id, self.followers, self.transfer_timeout_s)
                 stats = TransferStats(stats.bytes + theirs.bytes, stats.pieces + theirs.pieces,
                                       max(stats.seconds, theirs.seconds))
         except TransferError as e:

@@ -24,7 +24,6 @@ from engine.parallel.context import ParallelConfig
 from engine.parallel.cp_choice import CPMethod
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
-from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
@@ -32,11 +31,12 @@ from mesh.service import Heartbeat, serve
 from mesh.settings import PrefillSettings
 from mesh.telemetry import server_span, tracer
 from prefill_svc.core import PrefillCore
-from prefill_svc.follower import push_kv
+from prefill_svc.push import GRPC_STREAM, TORCH_P2P, push_kv
 from protos.convert import logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 
 
+TRANSPORTS = {internal_pb2.KV_TRANSPORT_GRPC_STREAM: GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P: TORCH_P2P}
 CP_METHODS = {CPMethod.PASS_KV: internal_pb2.CP_METHOD_PASS_KV, CPMethod.PASS_Q: internal_pb2.CP_METHOD_PASS_Q}
 
 
@@ -49,9 +49,10 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         with server_span(context, "prefill.run", request_id=rid, tokens=len(request.prompt_token_ids),
                          cp_size=self.cp) as span:
             target = request.target
-            if target.transport != internal_pb2.KV_TRANSPORT_GRPC_STREAM:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill instance pushes KV over "
-                              f"KV_TRANSPORT_GRPC_STREAM only, got {internal_pb2.KVTransport.Name(target.transport)}")
+            transport = TRANSPORTS.get(target.transport)
+            if transport is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "target.transport must be KV_TRANSPORT_GRPC_STREAM "
+                              f"or KV_TRANSPORT_TORCH_P2P, got {internal_pb2.KVTransport.Name(target.transport)}")
             try:
                 params = SamplingParams(**sampling_kwargs(request.sampling))
                 layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges),
@@ -64,7 +65,8 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             done = threading.Event()
             context.add_callback(lambda: done.is_set() or self.core.cancel(rid))  # the caller gave up
             try:
-                result = self.core.prefill(rid, list(request.prompt_token_ids), params, layout, list(target.addresses))
+                result = self.core.prefill(rid, list(request.prompt_token_ids), params, layout, list(target.addresses),
+                                           transport)
                 done.set()
             except RequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -73,7 +75,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             stats, choice = result.transfer, result.cp_choice
             method = CP_METHODS[choice.method] if choice else internal_pb2.CP_METHOD_UNSPECIFIED
             reason = choice.reason if choice else f"cp={self.cp}: one rank" if self.cp == 1 else "a one-token prompt"
-            _record_transfer_span(result, len(target.addresses), self.cp)
+            _record_transfer_span(result, len(target.addresses), self.cp, transport)
             span.set_attributes({"cached_tokens": result.cached_tokens, "kv_bytes": stats.bytes if stats else 0,
                                  "cp_method": internal_pb2.CPMethod.Name(method), "cp_reason": reason,
                                  "kv_ok": result.kv_ok})
@@ -90,13 +92,13 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))
 
 
-def _record_transfer_span(result, ranks: int, source_ranks: int) -> None:
+def _record_transfer_span(result, ranks: int, source_ranks: int, transport: str) -> None:
     """A `kvtransfer.push` child span covering the push of every rank (measured by the sinks; ended when all
     were acknowledged); ranks 1.. of a CP instance add their own `kvtransfer.push.rank` spans."""
     stats = result.transfer
     end = time.time_ns()
     span = tracer().start_span("kvtransfer.push", start_time=end - int((stats.seconds if stats else 0) * 1e9),
-                               attributes={"transport": "grpc_stream", "destination_ranks": ranks,
+                               attributes={"transport": transport, "destination_ranks": ranks,
                                            "source_ranks": source_ranks,
                                            "bytes": stats.bytes if stats else 0, "ok": result.kv_ok,
                                            "gb_per_s": round(stats.gb_per_s, 3) if stats else 0.0,
@@ -127,9 +129,7 @@ class PrefillInstance:
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method), attach=functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None)
-        self.channels = rpc.ChannelPool()
-        self.core = PrefillCore(engine, lambda address, rid, rank: GrpcStreamSender(self.channels.get(address), rid, rank)
-                                ).start()
+        self.core = PrefillCore(engine).start()
         self.server, port, self.health = rpc.start_server(s.host, s.port, [
             (internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self.core, s.cp), "infermesh.v1.Prefill"),
             (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self._record), "infermesh.v1.Admin"),
@@ -150,7 +150,6 @@ class PrefillInstance:
         self.heartbeat.stop()
         self.server.stop(grace=None)
         self.core.stop()
-        self.channels.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -135,7 +135,8 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
             yield response
 
     def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
-        target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+        target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                                            transport=KV_TRANSPORTS[self.settings.kv_transport]),
                                 timeout=timeout, metadata=metadata).target
         try:
             done = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address)).Prefill(internal_pb2.PrefillRequest(
@@ -147,6 +148,9 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
     def _remaining(self, context) -> float:
         remaining = context.time_remaining()
         return min(remaining, self.settings.request_timeout_s) if remaining is not None else self.settings.request_timeout_s
+
+
+KV_TRANSPORTS = {"grpc_stream": internal_pb2.KV_TRANSPORT_GRPC_STREAM, "torch_p2p": internal_pb2.KV_TRANSPORT_TORCH_P2P}
 
 
 class RouterAdmin(internal_pb2_grpc.AdminServicer):

@@ -1,5 +1,5 @@
 """`infermesh up` as real processes on loopback: tokens equal the in-process engine through the router,
-with the in-memory registry and with Redis; status lists every instance; one trace per request spans
+with the in-memory registry (KV over gRPC streams) and with Redis (KV over torch p2p pair groups); status lists every instance; one trace per request spans
 router, prefill, KV transfer and decode; Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("registry", ["memory", "redis"])
-def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request):
+def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request, tmp_path):
     folder, _ = tiny_checkpoint("llama")
+    transport = "torch_p2p" if registry == "redis" else "grpc_stream"
+    spans_file = tmp_path / "spans.jsonl"
     args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
-    args += ["--prefill-cp", "2", "--decode-tp", "2"]  # the heterogeneous layout: CP prefill pushes to TP decode
+    args += ["--prefill-cp", "2", "--decode-tp", "2",  # the heterogeneous layout: CP prefill pushes to TP decode
+             "--kv-transport", transport, "--trace", f"file:{spans_file}"]
     proc, address = start_mesh(str(folder), *args)
     status = json.loads(cli("status", "--target", address, "--json").stdout)
     pids = [i["pid"] for i in status["instances"]]
@@ -65,6 +68,10 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoin
         assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
     finally:
         stop_mesh(proc, pids)
+    spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
+    pushes = [s["attributes"] for s in spans if s["name"].startswith("kvtransfer.push")]
+    assert len(pushes) == 2  # the long prompt: rank 0's push (all ranks' bytes) and rank 1's own
+    assert all(p["transport"] == transport and p["ok"] for p in pushes)
 
 
 def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny_checkpoint, tmp_path):

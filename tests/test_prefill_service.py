@@ -32,10 +32,11 @@ def instances(tiny_checkpoint):
     decode.stop()
 
 
-def disaggregated(prefill, decode, request_id: str, prompt: list[int], params: SamplingParams, target_override=None):
+def disaggregated(prefill, decode, request_id: str, prompt: list[int], params: SamplingParams, target_override=None,
+                  transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM):
     sampling = sampling_message(params)
     target = decode.Reserve(internal_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt,
-                                                        sampling=sampling), timeout=30).target
+                                                        sampling=sampling, transport=transport), timeout=30).target
     if target_override is not None:
         target = target_override(target)
     done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
@@ -46,12 +47,13 @@ def disaggregated(prefill, decode, request_id: str, prompt: list[int], params: S
     return done, tokens, final
 
 
-def test_three_calls_give_exactly_the_single_engine_tokens(instances):
+@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P])
+def test_three_calls_give_exactly_the_single_engine_tokens(instances, transport):
     prefill, decode, reference = instances
     g = torch.Generator().manual_seed(21)
     for i, n in enumerate((3, 26, 61)):
         prompt = torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist()
-        done, tokens, final = disaggregated(prefill, decode, f"req{i}", prompt, GREEDY)
+        done, tokens, final = disaggregated(prefill, decode, f"req{i}-{transport}", prompt, GREEDY, transport=transport)
         assert done.kv_status == internal_pb2.KV_STATUS_READY and done.kv_bytes > 0
         assert tokens == reference.generate([prompt], GREEDY)[0].token_ids
         assert final.usage.completion_tokens == 8
@@ -72,10 +74,10 @@ def test_a_transfer_that_cannot_reach_decode_falls_back_to_recompute(instances):
 
 def test_bad_prefill_requests_are_refused_with_the_reason(instances):
     prefill, _, _ = instances
-    target = internal_pb2.KVTarget(transport=internal_pb2.KV_TRANSPORT_TORCH_P2P)
+    target = internal_pb2.KVTarget(transport=internal_pb2.KV_TRANSPORT_SHARED_MEMORY)
     with pytest.raises(grpc.RpcError) as e:
         prefill.Prefill(internal_pb2.PrefillRequest(request_id="x", prompt_token_ids=[5], target=target), timeout=30)
-    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "KV_TRANSPORT_TORCH_P2P" in e.value.details()
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "KV_TRANSPORT_SHARED_MEMORY" in e.value.details()
     target = internal_pb2.KVTarget(transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM, addresses=["a"], block_size=16,
                                    block_table=[0], head_ranges=[internal_pb2.HeadRange(start=0, end=2)])
     with pytest.raises(grpc.RpcError) as e:

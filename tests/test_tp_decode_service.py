@@ -34,16 +34,18 @@ def cp_tp_mesh(tiny_checkpoint):
     prefill = PrefillInstance(PrefillSettings(block_size=8, cp=2, **common), registry=registry)
     decode = DecodeInstance(DecodeSettings(block_size=16, tp=2, **common), registry=registry)
     router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20), registry=registry)
+    p2p_router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20, kv_transport="torch_p2p"),
+                                registry=registry)
     deadline = time.monotonic() + 60
-    while len(registry.instances()) < 3 and time.monotonic() < deadline:
+    while len(registry.instances()) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield router, prefill, decode, LLM(str(folder), dtype="float32")
-    for instance in (router, prefill, decode):
+    yield router, prefill, decode, LLM(str(folder), dtype="float32"), p2p_router
+    for instance in (router, p2p_router, prefill, decode):
         instance.stop()
 
 
 def test_sixteen_concurrent_requests_through_cp2_prefill_and_tp2_decode_equal_the_engine(cp_tp_mesh):
-    router, prefill, decode, reference = cp_tp_mesh
+    router, prefill, decode, reference, _ = cp_tp_mesh
     assert len(prefill.core.engine.executor.ranks.processes) == 1  # CP rank 1 is a child process pushing its share
     assert len(decode.core.engine.executor.ranks.processes) == 1  # TP rank 1 is a child process with its own server
     g = torch.Generator().manual_seed(8)
@@ -56,11 +58,24 @@ def test_sixteen_concurrent_requests_through_cp2_prefill_and_tp2_decode_equal_th
     assert prefill.core.total_requests - before == sum(len(p) > 20 for p in prompts)  # those went through the push
 
 
-def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh):
-    _, prefill_instance, decode_instance, reference = cp_tp_mesh
+def test_kv_over_torch_p2p_pair_groups_formed_on_demand_gives_the_engine_tokens(cp_tp_mesh):
+    _, prefill, _, reference, router = cp_tp_mesh  # this router asks decode for the torch_p2p transport
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (33, 70, 5, 48, 90, 21, 64, 40)]
+    expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    before = prefill.core.total_requests
+    with ThreadPoolExecutor(8) as pool:  # the first pushes form the pair group (2 prefill + 2 decode ranks)
+        results = list(pool.map(lambda p: generate(router.address, p), prompts))
+    assert [tokens for tokens, _ in results] == expected
+    assert prefill.core.total_requests - before == sum(len(p) > 20 for p in prompts)
+
+
+@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P])
+def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh, transport):
+    _, prefill_instance, decode_instance, reference, _ = cp_tp_mesh
     prefill = internal_pb2_grpc.PrefillStub(channel(prefill_instance.address))
     decode = internal_pb2_grpc.DecodeStub(channel(decode_instance.address))
-    prompt = torch.randint(3, TINY_VOCAB, (61,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(3, TINY_VOCAB, (61,), generator=torch.Generator().manual_seed(3 + transport)).tolist()
     first_token = []
 
     def record(target):
@@ -68,7 +83,8 @@ def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh
         return target
 
     for attempt in range(2):  # the second time prefill finds the prompt's full blocks cached, spread over its ranks
-        done, tokens, _ = disaggregated(prefill, decode, f"whole-{attempt}", prompt, GREEDY, record)
+        done, tokens, _ = disaggregated(prefill, decode, f"whole-{attempt}-{transport}", prompt, GREEDY, record,
+                                        transport)
         assert done.kv_status == internal_pb2.KV_STATUS_READY
         pushed = len(prompt) - first_token[-1]
         assert done.kv_bytes == pushed * LAYERS * KV_HEADS * HEAD_DIM * 2 * 4  # every (token, head) once, fp32
@@ -78,7 +94,7 @@ def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh
 
 
 def test_a_push_that_cannot_reach_decode_fails_on_every_rank_and_decode_recomputes(cp_tp_mesh):
-    _, prefill_instance, decode_instance, reference = cp_tp_mesh
+    _, prefill_instance, decode_instance, reference, _ = cp_tp_mesh
     prefill = internal_pb2_grpc.PrefillStub(channel(prefill_instance.address))
     decode = internal_pb2_grpc.DecodeStub(channel(decode_instance.address))
     prompt = list(range(40, 75))

@@ -1,5 +1,10 @@
-"""What ranks 1..N-1 of a context-parallel prefill instance add to following the step plans: each pushes
-the KV of the prompt tokens it stores, layer by layer, straight to the decode ranks.
+"""Pushing a prompt's KV from every rank of a prefill instance, over either transport.
+
+`DecodeLinks` is one rank's way to reach decode ranks: gRPC channels, or pair groups for the
+torch.distributed transport (`kvtransfer.pairing`; rank 0 claims the pair number that goes in the spec).
+
+Ranks 1..N-1 of a context-parallel instance add this to following the step plans: each pushes the KV
+of the prompt tokens it stores, layer by layer, straight to the decode ranks.
 
 Rank 0 publishes a request's push (`PushSpec`: the decode layout and its rank addresses) in the
 instance's store as `push/<id>` before queueing the request. When a step plan lists the request in
@@ -12,6 +17,7 @@ follower's succeeded, and removes the keys.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import pickle
@@ -21,11 +27,16 @@ from dataclasses import dataclass
 from opentelemetry import propagate, trace
 
 from kvtransfer.grpc_stream import GrpcStreamSender
+from kvtransfer.pairing import PairDialer
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.sink import PlanSink
+from kvtransfer.torch_p2p import TorchP2PSender
 from kvtransfer.transport import KVSender, TransferError, TransferStats
 from mesh import rpc
 from mesh.telemetry import setup_tracing, tracer
+
+
+GRPC_STREAM, TORCH_P2P = "grpc_stream", "torch_p2p"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +45,39 @@ class PushSpec:
     num_kv_heads: int
     block_size: int  # the prefill instance's
     target: DecodeLayout
-    addresses: tuple[str, ...]  # per decode rank
+    addresses: tuple[str, ...]  # per decode rank: its KVTransfer server (grpc stream) or the pairing store (p2p)
     timeout_s: float
+    transport: str = GRPC_STREAM
+    pair: int = 0  # torch_p2p: the pair number rank 0 claimed
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers of the span the push belongs to
 
-    def sink(self, sender) -> PlanSink:
-        """`sender(address, dst_rank) -> KVSender`."""
-        return PlanSink(num_tokens=self.num_tokens, num_kv_heads=self.num_kv_heads, block_size=self.block_size,
-                        target=self.target, senders=[sender(a, r) for r, a in enumerate(self.addresses)])
+
+class DecodeLinks:
+    """One prefill rank's connections to decode instances, reused across requests."""
+
+    def __init__(self, rank: int, ranks: int) -> None:
+        self.channels, self.pairs = rpc.ChannelPool(), PairDialer(rank, ranks)
+
+    def prepare(self, spec: PushSpec) -> PushSpec:
+        """Rank 0, before publishing: claim the pair a torch_p2p push goes over."""
+        if spec.transport != TORCH_P2P:
+            return spec
+        return dataclasses.replace(spec, pair=self.pairs.claim(spec.addresses[0]))
+
+    def sink(self, spec: PushSpec, request_id: str) -> PlanSink:
+        ranks = len(spec.addresses)
+        if spec.transport == TORCH_P2P:
+            link = self.pairs.link(spec.addresses[0], spec.pair, ranks)
+            senders: list[KVSender] = [TorchP2PSender(link.group, request_id, self.pairs.ranks + r, link.lock)
+                                       for r in range(ranks)]
+        else:
+            senders = [GrpcStreamSender(self.channels.get(a), request_id, r, timeout_s=spec.timeout_s)
+                       for r, a in enumerate(spec.addresses)]
+        return PlanSink(num_tokens=spec.num_tokens, num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
+                        target=spec.target, senders=senders)
+
+    def close(self) -> None:
+        self.channels.close()
 
 
 def _spec_key(request_id: str) -> str:
@@ -80,7 +116,7 @@ def push_kv(rank: int, store, runner, trace_spec: str = "none"):
     """`attach` hook for EngineCore: push this rank's share of every pushed prompt; returns the before-step hook.
     Bind `trace_spec` (functools.partial) to trace the pushes of this rank."""
     setup_tracing(trace_spec, "prefill")
-    channels = rpc.ChannelPool()
+    links = DecodeLinks(rank, runner.world)  # the prefill instance's ranks are its CP ranks
     last_layer = len(runner.kv_cache) - 1
 
     def before_step(plan):
@@ -89,13 +125,9 @@ def push_kv(rank: int, store, runner, trace_spec: str = "none"):
         pushes = []
         for index, request_id in plan.pushes:
             spec: PushSpec = pickle.loads(store.get(_spec_key(request_id)))
-
-            def sender(address: str, dst_rank: int, rid=request_id, timeout_s=spec.timeout_s) -> KVSender:
-                return GrpcStreamSender(channels.get(address), rid, dst_rank, timeout_s=timeout_s)
-
             span = tracer().start_span("kvtransfer.push.rank", context=propagate.extract(dict(spec.trace_context)),
-                                       attributes={"prefill_rank": rank, "transport": "grpc_stream"})
-            pushes.append((request_id, spec, spec.sink(sender), plan.chunks[index].block_table, span))
+                                       attributes={"prefill_rank": rank, "transport": spec.transport})
+            pushes.append((request_id, spec, links.sink(spec, request_id), plan.chunks[index].block_table, span))
 
         def on_layer(layer: int) -> None:
             for _, _, sink, table, _ in pushes:

@@ -1,0 +1,126 @@
+"""Process groups per prefill/decode instance pair, formed on demand: the torch.distributed transport's groups.
+
+A decode instance hosts a rendezvous store (`PairHost`, on rank 0; its address is the KV target's
+address for this transport) and every decode rank runs a `PairListener`. A prefill instance's rank 0
+claims the next pair number the first time it pushes to that decode instance (`PairDialer.claim`,
+writing `pair/<k>` = its rank count); the listeners see the key and join group `pair-<k>` as ranks
+`prefill_ranks + decode rank`, each then serving it with a `TorchP2PReceiver`. Every prefill rank joins
+as its CP rank when the step that pushes begins (`PairDialer.link(...).group`, called by the senders'
+`open`). Forming a group blocks until every rank of both instances has joined; it happens once per
+pair. A pair whose group fails (a peer died) is dropped on both sides and claimed anew next time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch.distributed as dist
+
+from engine.parallel.groups import stateless_group
+from kvtransfer.torch_p2p import TorchP2PReceiver
+from kvtransfer.transport import KVReceiver
+
+TIMEOUT = datetime.timedelta(seconds=60)
+POLL_S = 0.05
+
+
+def _client(address: str) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
+
+
+class PairHost:
+    """The decode instance's pairing store (rank 0); lives as long as the object."""
+
+    def __init__(self, host: str) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self.address = f"{host}:{self.store.port}"
+
+
+class PairListener:
+    """On one decode rank: join every pair claimed on `address` and receive KV over it into `receiver`."""
+
+    def __init__(self, address: str, rank: int, ranks: int, receiver: KVReceiver) -> None:
+        self.address, self.rank, self.ranks, self.receiver = address, rank, ranks, receiver
+        self.receivers: dict[int, TorchP2PReceiver] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="kv-pair-listener", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop listening for new pairs (before the pairing store goes away)."""
+        self._stop.set()
+        self.thread.join()
+
+    def _loop(self) -> None:
+        try:
+            store = _client(self.address)
+            pair = 1
+            while not self._stop.is_set():
+                if not store.check([f"pair/{pair}"]):  # polled: a blocking wait could not be stopped
+                    time.sleep(POLL_S)
+                    continue
+                prefill_ranks = int(store.get(f"pair/{pair}"))
+                try:
+                    group = stateless_group(store, f"pair-{pair}", prefill_ranks + self.rank,
+                                            prefill_ranks + self.ranks, timeout=TIMEOUT)
+                    self.receivers[pair] = TorchP2PReceiver(group, self.receiver,
+                                                            on_exit=lambda p=pair: self.receivers.pop(p, None))
+                except RuntimeError:
+                    pass  # the prefill side never joined (it died): the next pair is another try
+                pair += 1
+        except RuntimeError:
+            return  # the pairing store went away: the instance is stopping
+
+
+class PairLink:
+    """One prefill rank's side of a pair: the group (joined on first use) and the lock its senders share."""
+
+    def __init__(self, address: str, pair: int, rank: int, world: int) -> None:
+        self.address, self.pair, self.rank, self.world = address, pair, rank, world
+        self.lock = threading.Lock()
+        self.broken = False
+        self._group = None
+        self._join = threading.Lock()
+
+    def group(self) -> dist.ProcessGroup:
+        with self._join:
+            if self._group is None:
+                try:
+                    self._group = stateless_group(_client(self.address), f"pair-{self.pair}", self.rank, self.world,
+                                                  timeout=TIMEOUT)
+                except RuntimeError:
+                    self.broken = True
+                    raise
+            return self._group
+
+
+class PairDialer:
+    """One prefill rank's pairs, by decode pairing address."""
+
+    def __init__(self, rank: int, ranks: int) -> None:
+        self.rank, self.ranks = rank, ranks
+        self._claims: dict[str, int] = {}
+        self._links: dict[tuple[str, int], PairLink] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, address: str) -> int:
+        """Rank 0: this instance's pair number with the decode instance at `address` (claimed once)."""
+        with self._lock:
+            pair = self._claims.get(address)
+            link = self._links.get((address, pair))
+            if pair is None or (link is not None and link.broken):
+                store = _client(address)
+                pair = store.add("pairs", 1)
+                store.set(f"pair/{pair}", str(self.ranks))
+                self._claims[address] = pair
+            return pair
+
+    def link(self, address: str, pair: int, decode_ranks: int) -> PairLink:
+        with self._lock:
+            key = (address, pair)
+            if key not in self._links:
+                self._links[key] = PairLink(address, pair, self.rank, self.ranks + decode_ranks)
+            return self._links[key]
