@@ -18,7 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv_cache import num_blocks_for
-from engine.parallel.context import ParallelConfig, ParallelContext
+from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.executor import ParallelExecutor
 from engine.parallel.tp import max_kv_heads_per_rank
 from engine.runner import build_runner
@@ -101,7 +101,7 @@ class EngineCore:
         layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
                       num_blocks=num_blocks)
         if parallel.world_size == 1:
-            self.executor = build_runner(checkpoint, ParallelContext(config=parallel, rank=0), **layout)
+            self.executor = build_runner(checkpoint, connect(None, 0, parallel), **layout)
         else:
             self.executor = ParallelExecutor(checkpoint, parallel, attach=attach, **layout)
         self.blocks = BlockManager(num_blocks, config.block_size)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
 from engine.core import EngineConfig, EngineCore, RequestError
-from engine.parallel.context import ParallelConfig
+from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.sampler import SamplingParams, TokenLogprobs
 from engine.weights import DEFAULT_MODEL, load_checkpoint
 
@@ -60,9 +60,11 @@ class CompletionDelta:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
-                 tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto", **engine_options) -> None:
+                 tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto", experts: ExpertAttachment | None = None,
+                 **engine_options) -> None:
+        """`experts`: run the MoE experts on an expert instance's ranks (see engine.parallel.expert_attach)."""
         config = EngineConfig(dtype=dtype, device=device, **engine_options)
-        parallel = ParallelConfig(tp=tp, cp=cp, ep=ep, cp_method=cp_method)
+        parallel = ParallelConfig(tp=tp, cp=cp, ep=ep, cp_method=cp_method, experts=experts)
         checkpoint = load_checkpoint(model, config.torch_dtype)
         self.engine = EngineCore(checkpoint, config, parallel)
         self.tokenizer = self.engine.tokenizer

@@ -11,9 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB
+from tests.test_router import GREEDY, generate
 
 INFERMESH = str(Path(sys.executable).parent / "infermesh")
 
@@ -34,6 +39,15 @@ def stop_mesh(proc: subprocess.Popen, pids: list[int]) -> None:
     for pid in pids:  # every process it started is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (rank followers of an instance, ...), from /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found += [child, *descendants(child)]
+    return found
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -57,21 +71,42 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoin
         parallel = {i["role"]: i["parallel"] for i in status["instances"]}
         assert parallel["decode"] == {"tp": 2, "cp": 1, "ep": 1} and parallel["prefill"] == {"tp": 1, "cp": 2, "ep": 1}
         reference = LLM(str(folder), dtype="float32")
-        for prompt in ("hello world", "the quick brown fox jumps over the lazy dog " * 8):  # local and disaggregated
-            out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")
-            assert out.returncode == 0, out.stderr
-            result = json.loads(out.stdout.splitlines()[-1])
-            (expected,) = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-            assert result["token_ids"] == expected.token_ids
-            assert result["prompt_token_ids"] == expected.prompt_token_ids
+        prompt = "the quick brown fox jumps over the lazy dog " * 8  # disaggregated
+        out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout.splitlines()[-1])
+        (expected,) = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert result["token_ids"] == expected.token_ids
+        assert result["prompt_token_ids"] == expected.prompt_token_ids
+        g = torch.Generator().manual_seed(5)  # 16 concurrent requests, prefilled on decode and disaggregated
+        prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in [4, 20, 70, 130, 9, 66, 100, 41] * 2]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: generate(address, p), prompts))
+        assert [tokens for tokens, _ in results] == [o.token_ids for o in reference.generate(prompts, GREEDY)]
         bad = cli("generate", "hi", "--target", address, "--top-p", "0")
         assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
     finally:
         stop_mesh(proc, pids)
     spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
     pushes = [s["attributes"] for s in spans if s["name"].startswith("kvtransfer.push")]
-    assert len(pushes) == 2  # the long prompt: rank 0's push (all ranks' bytes) and rank 1's own
+    assert len(pushes) == 2 * 7  # 7 long prompts, each: rank 0's push (all ranks' bytes) and rank 1's own
     assert all(p["transport"] == transport and p["ok"] for p in pushes)
+
+
+def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    proc, address = start_mesh(str(folder), "--prefill-cp", "2", "--decode-tp", "2")
+    instances = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    pids = [i["pid"] for i in instances]
+    everything = pids + [child for pid in pids for child in descendants(pid)]
+    assert len(everything) == 5  # router, prefill and its second CP rank, decode and its second TP rank
+    (decode,) = [i["pid"] for i in instances if i["role"] == "decode"]
+    os.kill(decode, signal.SIGKILL)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) == 1 and "decode-0 exited with code -9" in rest
+    for pid in everything:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny_checkpoint, tmp_path):

@@ -25,6 +25,16 @@ from engine.parallel.groups import DEFAULT_TIMEOUT, stateless_group
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertAttachment:
+    """Where this instance's MoE experts live: an expert instance's attachment group (engine.parallel.expert_attach)."""
+
+    address: str  # host:port of the expert instance's rendezvous store
+    group: str  # the attachment's group name, given by the expert instance
+    expert_ranks: int
+    timeout_s: float = 30.0  # how long a step waits for the expert ranks before failing
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     tp: int = 1
     cp: int = 1
@@ -35,6 +45,7 @@ class ParallelConfig:
     cp_peak_flops: float = 1e11
     cp_bandwidth: float = 2e9
     all_reduce: AllReduceThresholds | None = None  # TP's flat/tree/ring crossovers; None: the device's default
+    experts: ExpertAttachment | None = None  # MoE experts hosted by an expert instance instead of these ranks
 
     def __post_init__(self) -> None:
         if self.cp_method not in ("auto", "pass_kv", "pass_q"):
@@ -48,6 +59,8 @@ class ParallelConfig:
             raise ValueError(f"ep={self.ep} with cp={self.cp} is not supported: expert parallelism runs with cp=1")
         if self.ep > 1 and self.tp > 1 and self.ep != self.tp:
             raise ValueError(f"ep={self.ep} must equal tp={self.tp} (experts are spread over the attention ranks)")
+        if self.ep > 1 and self.experts is not None:
+            raise ValueError(f"ep={self.ep} with attached experts: the experts live in the expert instance, use ep=1")
 
     @property
     def world_size(self) -> int:
@@ -63,7 +76,13 @@ class ParallelConfig:
             problems.append(f"intermediate_size={model.intermediate_size} is not divisible by tp={self.tp}")
         if self.tp > model.vocab_size:
             problems.append(f"tp={self.tp} exceeds vocab_size={model.vocab_size}")
-        if self.ep > 1:
+        if self.experts is not None:
+            if not model.is_moe:
+                problems.append(f"attached experts need a mixture-of-experts model; {model.architecture} has none")
+            elif self.experts.expert_ranks > model.num_experts:
+                problems.append(f"the expert instance's {self.experts.expert_ranks} ranks exceed "
+                                f"num_experts={model.num_experts}")
+        elif self.ep > 1:
             if not model.is_moe:
                 problems.append(f"ep={self.ep} needs a mixture-of-experts model; {model.architecture} has no experts")
             elif self.ep > model.num_experts:
@@ -85,6 +104,7 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
+    expert_group: dist.ProcessGroup | None = None  # with an expert instance (config.experts): ranks of both
 
     @property
     def tp_rank(self) -> int:
@@ -99,17 +119,26 @@ class ParallelContext:
         return self.rank if self.config.ep > 1 else 0
 
 
-def connect(store: dist.Store, rank: int, config: ParallelConfig, *, backend: str = "gloo",
+def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, backend: str = "gloo",
             timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ParallelContext:
-    """Create this rank's groups over `store`; every rank of the instance must call it.
+    """Create this rank's groups over `store` (None for one rank); every rank of the instance must call it.
+    With `config.experts`, also join the expert instance's attachment group (it blocks until all are there).
 
     With the layouts `ParallelConfig` allows, every axis larger than 1 spans the whole
     instance, so the axis groups are the world group itself.
     """
+    experts = None
+    if config.experts is not None:  # attention ranks first, then the expert instance's ranks
+        attach = config.experts
+        host, port = attach.address.rsplit(":", 1)
+        attach_timeout = datetime.timedelta(seconds=attach.timeout_s)
+        experts = stateless_group(dist.TCPStore(host, int(port), is_master=False, timeout=attach_timeout),
+                                  attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout)
     if config.world_size == 1:
-        return ParallelContext(config=config, rank=0)
+        return ParallelContext(config=config, rank=0, expert_group=experts)
     world = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout)
     return ParallelContext(config=config, rank=rank, world=world,
                            tp_group=world if config.tp > 1 else None,
                            cp_group=world if config.cp > 1 else None,
-                           ep_group=world if config.ep > 1 else None)
+                           ep_group=world if config.ep > 1 else None,
+                           expert_group=experts)

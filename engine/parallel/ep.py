@@ -44,31 +44,22 @@ def all_to_all(group, rows: torch.Tensor, send_splits: list[int], recv_splits: l
     return out
 
 
-class ExpertParallelMoE(nn.Module):
-    def __init__(self, moe: SparseMoE, placement: tuple[int, ...], group) -> None:
-        super().__init__()
+class ExpertExchange:
+    """Dispatch, compute and combine for one MoE layer over `group`, whose rank r holds
+    `experts_per_rank[r]` experts (contiguous ascending ids; 0 for a rank that only sends tokens).
+    `w_gate_up`/`w_down` are this rank's experts; every rank of the group calls `run` for every layer,
+    with the tokens it dispatches (possibly none)."""
+
+    def __init__(self, group, experts_per_rank: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         rank = group.rank()
-        local = [e for e, owner in enumerate(placement) if owner == rank]
-        if list(placement) != sorted(placement) or not local:
-            raise ValueError(f"placement must give every rank a contiguous ascending range of experts, got {placement}")
-        self.gate, self.top_k, self.renormalize = moe.gate, moe.top_k, moe.renormalize
-        self.first_expert, self.num_local = local[0], len(local)
-        self.w_gate_up = nn.Parameter(moe.w_gate_up[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, 2I, D]
-        self.w_down = nn.Parameter(moe.w_down[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, D, I]
-        self.experts_per_rank = [placement.count(r) for r in range(group.size())]
-        self.group = group
+        self.group, self.experts_per_rank = group, experts_per_rank
+        self.num_local, self.first_expert = experts_per_rank[rank], sum(experts_per_rank[:rank])
+        self.w_gate_up, self.w_down = w_gate_up, w_down  # [E_l, 2I, D], [E_l, D, I]
         self.tokens_per_expert = torch.zeros(self.num_local, dtype=torch.long)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
-        world, rank = self.group.size(), self.group.rank()
-        start, end = split_range(x.shape[0], world, rank)  # the tokens are the same on every rank: take a share
-        mine = x[start:end]  # [t, D]
-        weights, ids = route(self.gate(mine), self.top_k, self.renormalize)  # [t, k] each
-        y = self._dispatch_compute_combine(mine, weights, ids)  # [t, D]
-        return self._gather_shares(y, x.shape[0])
-
-    def _dispatch_compute_combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        world, top_k = self.group.size(), self.top_k
+    def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [t, D], gate weights and expert ids [t, k] -> Σ_k weight · expert(x): [t, D]."""
+        world, top_k = self.group.size(), ids.shape[1]
         flat_ids = ids.flatten()  # [t*k]
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, hence by rank
         per_expert = torch.bincount(flat_ids, minlength=sum(self.experts_per_rank))  # [E]
@@ -84,14 +75,42 @@ class ExpertParallelMoE(nn.Module):
         back = all_to_all(self.group, computed, recv_splits, send_splits)  # [t*k, D], in `order`
         return _unpermute_and_weight(back, order, weights)  # [t, D]
 
-    def _gather_shares(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        world = self.group.size()
-        shares = [split_range(num_tokens, world, r) for r in range(world)]
-        widest = max(end - start for start, end in shares)
-        padded = F.pad(y, (0, 0, 0, widest - y.shape[0])).contiguous()  # [widest, D]
-        gathered = padded.new_empty((world, *padded.shape))  # [W, widest, D]
-        self.group._allgather_base(gathered.view(-1), padded.view(-1)).wait()
-        return torch.cat([gathered[r, : end - start] for r, (start, end) in enumerate(shares)])  # [T, D]
+
+class ExpertParallelMoE(nn.Module):
+    def __init__(self, moe: SparseMoE, placement: tuple[int, ...], group) -> None:
+        super().__init__()
+        rank = group.rank()
+        local = [e for e, owner in enumerate(placement) if owner == rank]
+        if list(placement) != sorted(placement) or not local:
+            raise ValueError(f"placement must give every rank a contiguous ascending range of experts, got {placement}")
+        self.gate, self.top_k, self.renormalize = moe.gate, moe.top_k, moe.renormalize
+        self.w_gate_up = nn.Parameter(moe.w_gate_up[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, 2I, D]
+        self.w_down = nn.Parameter(moe.w_down[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, D, I]
+        self.group = group
+        self.exchange = ExpertExchange(group, [placement.count(r) for r in range(group.size())], self.w_gate_up,
+                                       self.w_down)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.exchange.tokens_per_expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
+        world, rank = self.group.size(), self.group.rank()
+        start, end = split_range(x.shape[0], world, rank)  # the tokens are the same on every rank: take a share
+        mine = x[start:end]  # [t, D]
+        weights, ids = route(self.gate(mine), self.top_k, self.renormalize)  # [t, k] each
+        return gather_shares(self.group, self.exchange.run(mine, weights, ids), x.shape[0])
+
+
+def gather_shares(group, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each rank computed rows `split_range(num_tokens, W, rank)` of a result: all of it, on every rank."""
+    world = group.size()
+    shares = [split_range(num_tokens, world, r) for r in range(world)]
+    widest = max(end - start for start, end in shares)
+    padded = F.pad(y, (0, 0, 0, widest - y.shape[0])).contiguous()  # [widest, D]
+    gathered = padded.new_empty((world, *padded.shape))  # [W, widest, D]
+    group._allgather_base(gathered.view(-1), padded.view(-1)).wait()
+    return torch.cat([gathered[r, : end - start] for r, (start, end) in enumerate(shares)])  # [T, D]
 
 
 def _permute(x: torch.Tensor, source_rows: torch.Tensor) -> torch.Tensor:
