@@ -22,7 +22,8 @@ from engine.parallel.groups import stateless_group
 from kvtransfer.torch_p2p import TorchP2PReceiver
 from kvtransfer.transport import KVReceiver
 
-TIMEOUT = datetime.timedelta(seconds=60)
+TIMEOUT = datetime.timedelta(seconds=60)  # a send or acknowledgement on the prefill side
+IDLE = datetime.timedelta(days=365)  # the decode side's receive loop waits for the next transfer
 POLL_S = 0.05
 
 
@@ -65,7 +66,7 @@ class PairListener:
                 prefill_ranks = int(store.get(f"pair/{pair}"))
                 try:
                     group = stateless_group(store, f"pair-{pair}", prefill_ranks + self.rank,
-                                            prefill_ranks + self.ranks, timeout=TIMEOUT)
+                                            prefill_ranks + self.ranks, timeout=IDLE)  # the receiver waits idle
                     self.receivers[pair] = TorchP2PReceiver(group, self.receiver,
                                                             on_exit=lambda p=pair: self.receivers.pop(p, None))
                 except RuntimeError:

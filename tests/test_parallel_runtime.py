@@ -115,6 +115,25 @@ def test_a_rank_that_dies_mid_run_fails_the_next_step_fast_and_no_rank_is_left(t
     llm.close()  # safe after a failure
 
 
+def test_an_instance_idle_longer_than_its_collective_timeout_still_runs_the_next_step(tiny_checkpoint):
+    import datetime
+    import time
+
+    from engine.parallel.executor import ParallelExecutor
+
+    folder, _ = tiny_checkpoint("llama")
+    executor = ParallelExecutor(load_checkpoint(str(folder)), ParallelConfig(tp=2), dtype=torch.float32, device="cpu",
+                                block_size=8, num_blocks=4, timeout=datetime.timedelta(seconds=3))
+    try:
+        plan = StepPlan((ChunkPlan((5, 6, 7), 0, (0,), True),))
+        first = executor.execute(plan)
+        time.sleep(4)  # the follower waits for the next plan longer than a collective may wait
+        assert torch.equal(executor.execute(plan), first)
+    finally:
+        executor.close()
+    assert child_ranks() == []
+
+
 def test_closing_stops_every_rank(tiny_checkpoint):
     folder, _ = tiny_checkpoint("mixtral")
     with LLM(str(folder), dtype="float32", ep=4) as llm:

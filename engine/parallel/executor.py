@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, connect
-from engine.parallel.launcher import ParallelError, RankGroup, receive_plan, send_plan
+from engine.parallel.launcher import ParallelError, RankGroup, plan_group, receive_plan, send_plan
 from engine.runner import build_runner
 from engine.step_plan import StepPlan
 from engine.weights import Checkpoint, load_checkpoint
@@ -21,9 +21,11 @@ from engine.weights import Checkpoint, load_checkpoint
 
 class ParallelExecutor:
     def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
-                 block_size: int, num_blocks: int, attach=None) -> None:
+                 block_size: int, num_blocks: int, attach=None,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
+        """`timeout`: how long a collective of the model may wait for a rank (idle waits have none)."""
         layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks)
-        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, attach))
+        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, attach), timeout=timeout)
         ctx = self.ranks.connect()
         try:
             self.runner = build_runner(checkpoint, ctx, **layout)
@@ -52,7 +54,7 @@ class ParallelExecutor:
         if self.ranks.context is None:
             raise ParallelError("this parallel instance has stopped; create a new one")
         try:
-            send_plan(self.ranks.context.world, plan)
+            send_plan(self.ranks.plans, plan)
             return self.runner.execute(plan, on_layer)
         except BaseException as e:
             raise self.ranks.failure(e) from e
@@ -68,8 +70,9 @@ def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout
     checkpoint = load_checkpoint(source, layout["dtype"])
     store.set(f"ready/{rank}", "1")
     ctx = connect(store, rank, parallel, timeout=timeout)
+    plans = plan_group(store, rank, parallel.world_size)
     runner = build_runner(checkpoint, ctx, **layout)
     before_step = attach(rank, store, runner) if attach is not None else None
-    while (plan := receive_plan(ctx.world)) is not None:
+    while (plan := receive_plan(plans)) is not None:
         on_layer = before_step(plan) if before_step is not None else None
         runner.execute(plan, on_layer)

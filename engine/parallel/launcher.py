@@ -5,8 +5,10 @@ caller's `__main__` is never re-imported (no `if __name__ == "__main__"` needed)
 They read what to run from the rendezvous store.
 
 Rank 0 owns the scheduler and the sampler. Every step it broadcasts the
-`StepPlan` over the world group and runs its own share of the model; the other
-ranks receive the plan, run theirs, and wait for the next one (`None` stops them).
+`StepPlan` and runs its own share of the model; the other ranks receive the
+plan, run theirs, and wait for the next one (`None` stops them). Plans travel
+on a group of their own (`plan_group`) whose timeout is a year: an instance may
+sit idle for any time, while the model's collectives keep the short one.
 
 Failure: a rank that raises writes its traceback to the rendezvous store under
 `error/<rank>` and exits; its closed connections make rank 0's next collective
@@ -33,13 +35,20 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
+from engine.parallel.groups import stateless_group
 from engine.step_plan import StepPlan
 
 HOST = "127.0.0.1"
+IDLE = datetime.timedelta(days=365)  # how long a follower may wait for the next step plan
 
 
 class ParallelError(RuntimeError):
     """A rank of a parallel instance failed; the message names it and carries its error."""
+
+
+def plan_group(store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+    """The group step plans are broadcast on (every rank creates it, after its ParallelContext)."""
+    return stateless_group(store, "plans", rank, world_size, timeout=IDLE)
 
 
 def send_plan(group: dist.ProcessGroup, plan: StepPlan | None) -> None:
@@ -77,6 +86,7 @@ class RankGroup:
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         self.context: ParallelContext | None = None
+        self.plans: dist.ProcessGroup | None = None
 
     def connect(self) -> ParallelContext:
         """Wait until every child is up (failing fast if one dies), then form the groups."""
@@ -87,6 +97,7 @@ class RankGroup:
                 raise self.failure(TimeoutError("ranks did not start in time"))
             time.sleep(0.05)
         self.context = connect(self.store, 0, self.config, timeout=self.timeout)
+        self.plans = plan_group(self.store, 0, self.config.world_size)
         return self.context
 
     def failure(self, cause: BaseException) -> ParallelError:
@@ -112,7 +123,7 @@ class RankGroup:
         """Stop the children (asking them first when the group is healthy); safe to call twice."""
         if self.context is not None and all(p.poll() is None for p in self.processes):
             try:
-                send_plan(self.context.world, None)
+                send_plan(self.plans, None)
                 for p in self.processes:
                     p.wait(timeout=10)
             except (RuntimeError, subprocess.TimeoutExpired):
