@@ -64,6 +64,11 @@ class DecodeCore:
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
 
+    @property
+    def failed(self) -> bool:
+        """A step raised (a rank or the expert instance died): this instance serves nothing more."""
+        return self._loop.error is not None
+
     def _fail_streams(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             stream.put(Event([], "", error=f"the decode engine failed: {error!r}"))
@@ -130,11 +135,11 @@ class DecodeCore:
             self._requests.pop(request_id, None)
             return found
 
-        return self._call(run)
+        return False if self.failed else self._call(run)  # a failed engine has freed everything already
 
     def cached_block_hashes(self) -> set[int]:
-        """Hashes of the full KV blocks in the prefix cache (read on the engine thread)."""
-        return self._call(lambda: set(self.engine.blocks.cached))
+        """Hashes of the full KV blocks in the prefix cache (read on the engine thread); none once failed."""
+        return set() if self.failed else self._call(lambda: set(self.engine.blocks.cached))
 
     def status(self) -> dict[str, int]:
         blocks = self.engine.blocks

@@ -21,7 +21,7 @@ import grpc
 from decode_svc.core import DecodeCore
 from decode_svc.follower import accept_kv
 from engine.core import EngineConfig, EngineCore, RequestError
-from engine.parallel.context import ParallelConfig
+from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.tp import head_shard
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
@@ -89,8 +89,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 except queue.Empty:
                     self.core.cancel(rid)
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {EVENT_TIMEOUT_S} s")
-                if event.error:
-                    context.abort(grpc.StatusCode.INTERNAL, event.error)
+                if event.error:  # the instance failed, not the request: another instance may serve it
+                    context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
                 tokens += len(event.token_ids)
                 if event.token_ids or event.text:
                     yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(
@@ -116,7 +116,8 @@ class AdminService(internal_pb2_grpc.AdminServicer):
         return internal_pb2.InstanceStatus(
             id=self.info.id, role=common_pb2.ROLE_DECODE, address=self.info.address, pid=self.info.pid,
             model=self.info.model, parallel=common_pb2.ParallelLayout(**self.info.parallel),
-            state=common_pb2.INSTANCE_STATE_DRAINING if self.core.draining else common_pb2.INSTANCE_STATE_SERVING,
+            state=common_pb2.INSTANCE_STATE_DRAINING if self.core.draining or self.core.failed
+            else common_pb2.INSTANCE_STATE_SERVING,
             **self.core.status())
 
 
@@ -151,7 +152,10 @@ class DecodeInstance:
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
         self.pairs = PairHost(s.host) if config.device == "cpu" else None  # torch_p2p runs over gloo
         pair_address = self.pairs.address if self.pairs else ""
-        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config, ParallelConfig(tp=s.tp),
+        experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
+                                   timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
+        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
+                            ParallelConfig(tp=s.tp, experts=experts),
                             attach=functools.partial(accept_kv, pair_address=pair_address, ranks=s.tp) if s.tp > 1 else None)
         store = engine.executor.store if s.tp > 1 else None
         rank_addresses = [store.get(f"kv-address/{r}").decode() for r in range(1, s.tp)] if store else []
@@ -174,7 +178,7 @@ class DecodeInstance:
         self._stopped = False
 
     def _record(self) -> InstanceInfo:
-        state = InstanceState.DRAINING if self.core.draining else InstanceState.SERVING
+        state = InstanceState.DRAINING if self.core.draining or self.core.failed else InstanceState.SERVING
         return dataclasses.replace(self.info, state=state, **self.core.status())
 
     def stop(self) -> None:

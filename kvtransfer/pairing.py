@@ -64,16 +64,19 @@ class PairListener:
                     time.sleep(POLL_S)
                     continue
                 prefill_ranks = int(store.get(f"pair/{pair}"))
-                try:
-                    group = stateless_group(store, f"pair-{pair}", prefill_ranks + self.rank,
-                                            prefill_ranks + self.ranks, timeout=IDLE)  # the receiver waits idle
-                    self.receivers[pair] = TorchP2PReceiver(group, self.receiver,
-                                                            on_exit=lambda p=pair: self.receivers.pop(p, None))
-                except RuntimeError:
-                    pass  # the prefill side never joined (it died): the next pair is another try
+                threading.Thread(target=self._join, args=(store, pair, prefill_ranks), daemon=True).start()
                 pair += 1
         except RuntimeError:
             return  # the pairing store went away: the instance is stopping
+
+    def _join(self, store, pair: int, prefill_ranks: int) -> None:
+        """Joining blocks until the prefill ranks join too: on a thread of its own, not the listener's."""
+        try:
+            group = stateless_group(store, f"pair-{pair}", prefill_ranks + self.rank, prefill_ranks + self.ranks,
+                                    timeout=IDLE)  # the receiver waits idle
+        except RuntimeError:
+            return  # the prefill side never joined (it died)
+        self.receivers[pair] = TorchP2PReceiver(group, self.receiver, on_exit=lambda: self.receivers.pop(pair, None))
 
 
 class PairLink:

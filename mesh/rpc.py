@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -63,3 +64,12 @@ class ChannelPool:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+def attach_to_experts(address: str, instance_id: str, ranks: int, model: str, timeout_s: float = 30.0) -> dict:
+    """Ask the expert instance at `address` for an attachment group for this instance's `ranks`:
+    the fields of an `engine.parallel.context.ExpertAttachment` (address, group, expert_ranks)."""
+    with channel(address) as ch:
+        r = internal_pb2_grpc.ExpertStub(ch).Attach(
+            internal_pb2.AttachRequest(instance_id=instance_id, ranks=ranks, model=model), timeout=timeout_s)
+    return {"address": r.rendezvous, "group": r.group, "expert_ranks": r.expert_ranks}

@@ -40,6 +40,8 @@ class EngineSettings(ServiceSettings):
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    experts: str = ""  # host:port of an expert instance to run the MoE experts on ("": on this instance's ranks)
+    expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +53,17 @@ class PrefillSettings(EngineSettings):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodeSettings(EngineSettings):
     tp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertSettings(ServiceSettings):
+    dtype: str = "bfloat16"
+    ep: int = 1  # expert-parallel ranks: each holds its contiguous share of every MoE layer's experts
+
+    def __post_init__(self) -> None:
+        super(ExpertSettings, self).__post_init__()
+        if self.ep < 1:
+            raise ValueError(f"ep must be >= 1, got {self.ep}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

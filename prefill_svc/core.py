@@ -50,6 +50,11 @@ class PrefillCore:
         self._choices: dict[str, CPChoice] = {}
         self._loop = EngineLoop(engine, self._deliver, name="prefill-engine", on_failure=self._fail_waiting)
 
+    @property
+    def failed(self) -> bool:
+        """A step raised (a rank or the expert instance died): this instance serves nothing more."""
+        return self._loop.error is not None
+
     def start(self) -> "PrefillCore":
         self._loop.start()
         return self

@@ -20,7 +20,7 @@ import uuid
 import grpc
 
 from engine.core import EngineConfig, EngineCore, RequestError
-from engine.parallel.context import ParallelConfig
+from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.cp_choice import CPMethod
 from engine.sampler import SamplingParams
 from engine.weights import load_checkpoint
@@ -127,8 +127,11 @@ class PrefillInstance:
         self.id = instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
         config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
+        experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.cp, s.model),
+                                   timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(cp=s.cp, cp_method=s.cp_method), attach=functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None)
+                            ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts),
+                            attach=functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None)
         self.core = PrefillCore(engine).start()
         self.server, port, self.health = rpc.start_server(s.host, s.port, [
             (internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self.core, s.cp), "infermesh.v1.Prefill"),
@@ -141,7 +144,8 @@ class PrefillInstance:
         self._stopped = False
 
     def _record(self) -> InstanceInfo:
-        return dataclasses.replace(self.info, **self.core.status())
+        state = InstanceState.DRAINING if self.core.failed else InstanceState.SERVING
+        return dataclasses.replace(self.info, state=state, **self.core.status())
 
     def stop(self) -> None:
         if self._stopped:

@@ -190,7 +190,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous")
+    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous", "placement", "expert_load", "attached")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,9 @@ class InstanceStatus(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.Role
     address: str
@@ -215,7 +218,52 @@ class InstanceStatus(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     rendezvous: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+    placement: _containers.RepeatedScalarFieldContainer[int]
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    attached: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ..., placement: _Optional[_Iterable[int]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., attached: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("instance_id", "ranks", "model")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    ranks: int
+    model: str
+    def __init__(self, instance_id: _Optional[str] = ..., ranks: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("rendezvous", "group", "expert_ranks", "placement")
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    rendezvous: str
+    group: str
+    expert_ranks: int
+    placement: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rendezvous: _Optional[str] = ..., group: _Optional[str] = ..., expert_ranks: _Optional[int] = ..., placement: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance", "ttl_s")

@@ -496,6 +496,126 @@ class Admin:
             _registered_method=True)
 
 
+class ExpertStub:
+    """Served by expert instances: a prefill or decode instance attaches to run its MoE experts here.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Attach = channel.unary_unary(
+                '/infermesh.v1.Expert/Attach',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/infermesh.v1.Expert/Detach',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachResponse.FromString,
+                _registered_method=True)
+
+
+class ExpertServicer:
+    """Served by expert instances: a prefill or decode instance attaches to run its MoE experts here.
+    """
+
+    def Attach(self, request, context):
+        """Returns the group to join: every rank of the caller joins it as its own rank, the expert ranks follow.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Forget an attachment (its group ends when the attached instance stops).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ExpertServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'infermesh.v1.Expert', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('infermesh.v1.Expert', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Expert:
+    """Served by expert instances: a prefill or decode instance attaches to run its MoE experts here.
+    """
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Expert/Attach',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Expert/Detach',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RegistryStub:
     """The in-memory registry of a single-host mesh, served by the `infermesh up` supervisor.
     """

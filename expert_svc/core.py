@@ -1,0 +1,136 @@
+"""The expert side of attachments, on every rank of an expert instance; testable without gRPC.
+
+Rank 0 hosts the rendezvous store (`AttachmentBook`): `attach(instance_id, ranks)` claims the next
+attachment number k, writes `attach/<k>` = the attached instance's rank count and returns the group
+name `attach-<k>`. Every rank runs an `ExpertRank`: it polls for new attachments, joins each group as
+rank `ranks + its rank` and serves it on a thread of its own (`serve_attachment`) until the attached
+instance goes away; its groups wait idle without a deadline (the attached side bounds its steps).
+Tokens computed per MoE layer and local expert are counted per attachment (`load()` sums them).
+Ranks 1.. of an instance run `follow` (a child process each) and publish their counts in the instance store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.core import DTYPES
+from engine.model import build_model
+from engine.parallel.context import ParallelConfig, connect
+from engine.parallel.expert_attach import ExpertShard, serve_attachment
+from engine.parallel.groups import stateless_group
+from engine.parallel.launcher import plan_group, receive_plan
+from engine.weights import load_checkpoint
+
+IDLE = datetime.timedelta(days=365)  # an attachment may sit idle for any time
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+POLL_S = 0.05
+PUBLISH_S = 0.5  # how often follower ranks publish their token counts (`load/<rank>`) for rank 0's status
+
+
+def group_name(attachment: int) -> str:
+    return f"attach-{attachment}"
+
+
+class AttachmentBook:
+    """Rank 0: the rendezvous store and which instance holds which attachment."""
+
+    def __init__(self, host: str) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        self.address = f"{host}:{self.store.port}"
+        self.by_instance: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, instance_id: str, ranks: int) -> str:
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        with self._lock:
+            attachment = self.store.add("attachments", 1)
+            self.store.set(f"attach/{attachment}", str(ranks))
+            self.by_instance[instance_id] = attachment
+        return group_name(attachment)
+
+    def detach(self, instance_id: str) -> bool:
+        with self._lock:
+            return self.by_instance.pop(instance_id, None) is not None
+
+
+class ExpertRank:
+    """One expert rank: joins every attachment announced on `address` and serves it."""
+
+    def __init__(self, shard: ExpertShard, rank: int, ranks: int, address: str) -> None:
+        self.shard, self.rank, self.ranks, self.address = shard, rank, ranks, address
+        self.active: dict[int, torch.Tensor] = {}  # attachment -> tokens [layers, local experts], while served
+        self._finished = torch.zeros(len(shard.weights), shard.weights[0][0].shape[0], dtype=torch.long)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._listen, name="expert-attachments", daemon=True)
+        self.thread.start()
+
+    def load(self) -> torch.Tensor:
+        """Tokens each local expert computed, per MoE layer, over every attachment so far: [layers, local]."""
+        with self._lock:
+            return self._finished + sum(self.active.values(), torch.zeros_like(self._finished))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join()
+
+    def _listen(self) -> None:
+        host, port = self.address.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+            attachment = 1
+            while not self._stop.is_set():
+                if not store.check([f"attach/{attachment}"]):  # polled: a blocking wait could not be stopped
+                    time.sleep(POLL_S)
+                    continue
+                attention_ranks = int(store.get(f"attach/{attachment}"))
+                threading.Thread(target=self._serve, args=(store, attachment, attention_ranks), daemon=True,
+                                 name=f"expert-{group_name(attachment)}").start()  # joining blocks: not here
+                attachment += 1
+        except RuntimeError:
+            return  # the rendezvous store went away: the instance is stopping
+
+    def _serve(self, store, attachment: int, attention_ranks: int) -> None:
+        try:
+            group = stateless_group(store, group_name(attachment), attention_ranks + self.rank,
+                                    attention_ranks + self.ranks, timeout=IDLE)
+        except RuntimeError:
+            return  # the attaching instance never joined
+        tokens = torch.zeros_like(self._finished)
+        with self._lock:
+            self.active[attachment] = tokens
+        try:
+            serve_attachment(self.shard, group, attention_ranks, tokens)
+        except RuntimeError:
+            pass  # the attached instance left (or failed): its steps are over
+        finally:
+            with self._lock:
+                self._finished += self.active.pop(attachment)
+
+
+def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str) -> None:
+    """An expert follower rank: its share of the experts, served to every attachment until the instance stops."""
+    checkpoint = load_checkpoint(source, DTYPES[dtype])
+    store.set(f"ready/{rank}", "1")
+    connect(store, rank, config, timeout=timeout)
+    plans = plan_group(store, rank, config.world_size)
+    expert = ExpertRank(ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), rank, config.ep),
+                        rank, config.ep, address)
+    stopped = threading.Event()
+
+    def publish() -> None:
+        while not stopped.wait(PUBLISH_S):
+            store.set(f"load/{rank}", json.dumps(expert.load().tolist()))
+
+    threading.Thread(target=publish, daemon=True).start()
+    while receive_plan(plans) is not None:  # rank 0 sends None when the instance stops
+        pass
+    stopped.set()
+    expert.stop()

@@ -1,0 +1,132 @@
+"""The gRPC shell of an expert instance: Expert (Attach, Detach), Admin status (placement, tokens per expert
+and layer, attached instances), health and reflection; registered with role `expert` and its rendezvous.
+
+    python -m expert_svc.server --port 0 --model PATH --ep 2 [--registry ...]
+
+Its EP ranks (this process and ep-1 children) each hold a contiguous share of every MoE layer's
+experts. Attach: the caller gets a group name on the rendezvous store; every rank of the caller joins
+it, then the expert ranks, and every MoE layer of every step exchanges tokens over it. A model other
+than this instance's -> FAILED_PRECONDITION; ranks < 1 -> INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+
+import grpc
+import torch
+
+from engine.core import DTYPES
+from engine.model import build_model
+from engine.parallel.context import ParallelConfig
+from engine.parallel.expert_attach import ExpertShard
+from engine.parallel.launcher import RankGroup
+from engine.weights import load_checkpoint
+from expert_svc.core import AttachmentBook, ExpertRank, follow
+from mesh import rpc
+from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
+from mesh.registry.remote import to_message
+from mesh.service import Heartbeat, serve
+from mesh.settings import ExpertSettings
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
+class ExpertService(internal_pb2_grpc.ExpertServicer):
+    def __init__(self, instance: "ExpertInstance") -> None:
+        self.instance = instance
+
+    def Attach(self, request, context):
+        inst = self.instance
+        if request.model != inst.settings.model:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"model {request.model!r} is not this expert instance's model {inst.settings.model!r}")
+        try:
+            group = inst.book.attach(request.instance_id, request.ranks)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return internal_pb2.AttachResponse(rendezvous=inst.book.address, group=group,
+                                           expert_ranks=inst.settings.ep, placement=inst.shard.placement)
+
+    def Detach(self, request, context):
+        return internal_pb2.DetachResponse(found=self.instance.book.detach(request.instance_id))
+
+
+class AdminService(internal_pb2_grpc.AdminServicer):
+    def __init__(self, instance: "ExpertInstance") -> None:
+        self.instance = instance
+
+    def Status(self, request, context):
+        inst = self.instance
+        status = to_message(inst.info)
+        status.placement[:] = inst.shard.placement
+        for layer, tokens in enumerate(inst.load().tolist()):
+            status.expert_load.add(layer=layer, tokens=tokens)
+        status.attached[:] = inst.attached()
+        return status
+
+
+class ExpertInstance:
+    """A running expert instance: its EP ranks, gRPC server, registry heartbeat. `stop()` is safe twice."""
+
+    def __init__(self, settings: ExpertSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
+        self.settings = s = settings
+        self.id = instance_id or f"expert-{uuid.uuid4().hex[:8]}"
+        self.book = AttachmentBook(s.host)
+        checkpoint = load_checkpoint(s.model, DTYPES[s.dtype])
+        self.shard = ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, s.ep)
+        self.ranks = None
+        if s.ep > 1:
+            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow, (str(checkpoint.source), s.dtype, self.book.address))
+            try:
+                self.ranks.connect()
+            except BaseException as e:
+                raise self.ranks.failure(e) from e
+        self.rank = ExpertRank(self.shard, 0, s.ep, self.book.address)
+        self.server, port, self.health = rpc.start_server(s.host, s.port, [
+            (internal_pb2_grpc.add_ExpertServicer_to_server, ExpertService(self), "infermesh.v1.Expert"),
+            (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin"),
+        ])
+        self.address = f"{s.host}:{port}"
+        self.info = InstanceInfo(id=self.id, role=Role.EXPERT, address=self.address, pid=os.getpid(), model=s.model,
+                                 parallel={"tp": 1, "cp": 1, "ep": s.ep}, state=InstanceState.SERVING,
+                                 rendezvous=self.book.address)
+        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self._stopped = False
+
+    def load(self) -> torch.Tensor:
+        """Tokens per MoE layer and expert (global ids), over every rank: [layers, num_experts]."""
+        parts = [self.rank.load()]
+        store = self.ranks.store if self.ranks else None
+        for r in range(1, self.settings.ep):
+            key = f"load/{r}"
+            parts.append(torch.tensor(json.loads(store.get(key))) if store.check([key])
+                         else torch.zeros(len(self.shard.weights), self.shard.placement.count(r), dtype=torch.long))
+        return torch.cat(parts, dim=1)
+
+    def attached(self) -> list[str]:
+        """The instances whose attachment rank 0 is serving now."""
+        serving = set(self.rank.active)
+        return sorted(i for i, a in self.book.by_instance.items() if a in serving)
+
+    def _record(self) -> InstanceInfo:
+        return dataclasses.replace(self.info, active_requests=len(self.attached()))
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.heartbeat.stop()
+        self.server.stop(grace=None)
+        self.rank.stop()
+        if self.ranks:
+            self.ranks.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    serve("expert", ExpertSettings, ExpertInstance, argv)
+
+
+if __name__ == "__main__":
+    main()

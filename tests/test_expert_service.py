@@ -1,0 +1,109 @@
+"""Expert instances over real gRPC and real process groups: an expert instance of two EP ranks serves both a
+prefill instance (CP=2) and a decode instance (TP=2) attached to it; greedy tokens through the router equal
+transformers'; status shows placement, tokens per expert and the attached instances; bad attaches are refused; when the expert
+instance dies, its attached decode instance fails at once and the router serves the request elsewhere."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from decode_svc.server import DecodeInstance
+from expert_svc.server import ExpertInstance
+from mesh.registry import InstanceState, MemoryRegistry
+from mesh.rpc import channel
+from mesh.settings import DecodeSettings, ExpertSettings, PrefillSettings, RouterSettings
+from prefill_svc.server import PrefillInstance
+from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+from router.server import RouterInstance
+from tests.conftest import TINY_VOCAB
+from tests.test_parity_tiny import hf_greedy
+from tests.test_router import generate
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def expert_mesh(request, tiny_checkpoint):
+    folder, hf = tiny_checkpoint(request.param)
+    registry = MemoryRegistry()
+    common = dict(model=str(folder), dtype="float32")
+    experts = ExpertInstance(ExpertSettings(ep=2, **common), registry=registry)
+    engine = dict(kv_cache_bytes=1 << 22, experts=experts.address, **common)
+    prefill = PrefillInstance(PrefillSettings(block_size=8, cp=2, **engine), registry=registry)
+    decode = DecodeInstance(DecodeSettings(block_size=16, tp=2, **engine), registry=registry)
+    router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20), registry=registry)
+    deadline = time.monotonic() + 60
+    while len(registry.instances()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield router, prefill, decode, experts, hf
+    for instance in (router, prefill, decode, experts):
+        instance.stop()
+
+
+def test_eight_concurrent_requests_through_attached_experts_equal_transformers(expert_mesh):
+    router, prefill, decode, experts, hf = expert_mesh
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (1, 30, 12, 47, 5, 64, 25, 9)]
+    with ThreadPoolExecutor(8) as pool:  # long prompts prefill on the CP instance, short ones on decode
+        results = list(pool.map(lambda p: generate(router.address, p), prompts))
+    assert [tokens for tokens, _ in results] == [hf_greedy(hf, p, 6)[0] for p in prompts]
+    status = internal_pb2_grpc.AdminStub(channel(experts.address)).Status(internal_pb2.StatusRequest(), timeout=30)
+    assert status.role == common_pb2.ROLE_EXPERT and list(status.placement) == [0, 0, 1, 1]
+    assert sorted(status.attached) == sorted([prefill.id, decode.id])
+    tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
+    assert tokens.shape == (2, 4) and (tokens.sum(1) > 0).all()
+    assert tokens[:, 2:].sum() > 0  # the second EP rank (a child process) published its counts
+
+
+def test_attach_refuses_another_model_and_zero_ranks(expert_mesh):
+    _, _, _, experts, _ = expert_mesh
+    stub = internal_pb2_grpc.ExpertStub(channel(experts.address))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Attach(internal_pb2.AttachRequest(instance_id="x", ranks=1, model="other"), timeout=10)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "'other'" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Attach(internal_pb2.AttachRequest(instance_id="x", ranks=0, model=experts.settings.model), timeout=10)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "ranks must be >= 1" in e.value.details()
+
+
+def start_expert_process(folder, ep: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "expert_svc.server", "--model", str(folder), "--ep", str(ep),
+                             "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if " serving on " in line:
+            return proc, line.split()[-1]
+    raise AssertionError(f"the expert instance did not start (exit {proc.wait(timeout=30)})")
+
+
+def test_a_dead_expert_instance_fails_its_attached_decode_and_the_router_retries_elsewhere(tiny_checkpoint):
+    folder, hf = tiny_checkpoint("mixtral")
+    proc, address = start_expert_process(folder, ep=2)
+    registry = MemoryRegistry()
+    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22)
+    attached = DecodeInstance(DecodeSettings(experts=address, expert_timeout_s=10, **common), registry=registry)
+    standalone = DecodeInstance(DecodeSettings(**common), registry=registry)  # runs its experts itself
+    router = RouterInstance(RouterSettings(model=str(folder), policy="round_robin"), registry=registry)
+    try:
+        prompt = [5, 9, 13, 17]
+        assert generate(router.address, prompt)[0] == hf_greedy(hf, prompt, 6)[0]
+        proc.kill()  # its second EP rank dies with it
+        proc.wait(timeout=30)
+        for _ in range(4):  # round robin: some of these go to the attached instance first, fail, and are retried
+            assert generate(router.address, prompt)[0] == hf_greedy(hf, prompt, 6)[0]
+        assert attached.core.failed and not standalone.core.failed
+        def state():
+            return {i.id: i.state for i in registry.instances()}[attached.id]
+
+        deadline = time.monotonic() + 10  # the next heartbeat tells the registry
+        while state() is not InstanceState.DRAINING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state() is InstanceState.DRAINING
+    finally:
+        for instance in (router, attached, standalone):
+            instance.stop()
+        proc.kill()
