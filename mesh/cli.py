@@ -164,6 +164,8 @@ def up(
     local_prefill_max_tokens: int = typer.Option(
         64, help="Prompts whose uncached part is at most this many tokens are prefilled on decode."),
     kv_transport: str = typer.Option("grpc_stream", help="grpc_stream | torch_p2p: how prefill pushes KV to decode."),
+    experts: int = typer.Option(0, help="Expert instances hosting an MoE model's experts (0: inside each instance)."),
+    expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
@@ -171,8 +173,8 @@ def up(
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
-                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, kv_transport=kv_transport, registry=registry, trace=trace,
-                dtype=dtype)
+                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, kv_transport=kv_transport,
+                experts=experts, expert_ep=expert_ep, registry=registry, trace=trace, dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             supervisor.check_children()

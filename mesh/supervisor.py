@@ -45,6 +45,8 @@ class MeshSpec:
     decode_tp: int = 1
     local_prefill_max_tokens: int = 64  # the router prefills shorter uncached parts on decode
     kv_transport: str = "grpc_stream"  # or torch_p2p
+    experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
+    expert_ep: int = 1  # EP ranks per expert instance
     registry: str = "memory"
     trace: str = "none"
     dtype: str = "bfloat16"
@@ -56,6 +58,8 @@ class MeshSpec:
             raise ValueError(f"decode must be >= 1 (someone has to generate), got {self.decode}")
         if self.prefill < 0:
             raise ValueError(f"prefill must be >= 0, got {self.prefill}")
+        if self.experts < 0 or self.expert_ep < 1:
+            raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
 
 
 @dataclass
@@ -86,14 +90,26 @@ class Supervisor:
         common = ["--model", s.model, "--registry", registry, "--trace", s.trace, "--host", s.host]
         engine = ["--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes)]
         try:
+            for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
+                self._spawn(f"expert-{i}", "expert_svc.server", common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)])
+            experts = [e.address for e in self._wait_for(registry, {Role.EXPERT: s.experts}, returning=Role.EXPERT)
+                       ] if s.experts else []
+
+            def attach(i: int) -> list[str]:
+                return ["--experts", experts[i % len(experts)]] if experts else []
+
             for i in range(s.prefill):
-                self._spawn(f"prefill-{i}", "prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)])
+                self._spawn(f"prefill-{i}", "prefill_svc.server",
+                            common + engine + ["--cp", str(s.prefill_cp)] + attach(i))
             for i in range(s.decode):
-                self._spawn(f"decode-{i}", "decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])
+                self._spawn(f"decode-{i}", "decode_svc.server",
+                            common + engine + ["--tp", str(s.decode_tp)] + attach(s.prefill + i))
             self._spawn("router", "router.server", common + [
                 "--port", str(s.port), "--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
                 "--kv-transport", s.kv_transport])
-            self._wait_until_ready(connect_registry(registry))
+            (router,) = self._wait_for(registry, {Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
+                                       returning=Role.ROUTER, healthy=True)
+            self.router_address = router.address
         except BaseException:
             self.stop()
             raise
@@ -106,23 +122,24 @@ class Supervisor:
                                        env={**os.environ, "INFERMESH_PARENT_PID": str(os.getpid())})
         self.children.append(Child(name, process, log))
 
-    def _wait_until_ready(self, registry) -> None:
-        s = self.spec
-        deadline = time.monotonic() + s.startup_timeout_s
+    def _wait_for(self, registry_address: str, counts: dict[Role, int], *, returning: Role,
+                  healthy: bool = False) -> list:
+        """Wait until the registry lists `counts` instances of each role; then the instances of `returning`
+        (once they answer health checks, with `healthy`)."""
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        registry = connect_registry(registry_address)
         try:
             while time.monotonic() < deadline:
                 self.check_children()
                 found = registry.instances()
-                roles = [i.role for i in found]
-                routers = [i for i in found if i.role is Role.ROUTER]
-                if roles.count(Role.PREFILL) >= s.prefill and roles.count(Role.DECODE) >= s.decode and routers \
-                        and _healthy(routers[0].address):
-                    self.router_address = routers[0].address
-                    return
+                ready = all(sum(i.role is role for i in found) >= n for role, n in counts.items())
+                chosen = sorted((i for i in found if i.role is returning), key=lambda i: i.id)
+                if ready and (not healthy or all(_healthy(i.address) for i in chosen)):
+                    return chosen
                 time.sleep(0.2)
         finally:
             registry.close()
-        raise MeshError(f"the mesh was not ready within {s.startup_timeout_s:.0f} s; logs in {self.log_dir}")
+        raise MeshError(f"the mesh was not ready within {self.spec.startup_timeout_s:.0f} s; logs in {self.log_dir}")
 
     def check_children(self) -> None:
         """Raise MeshError naming the first child that exited."""

@@ -18,6 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB
+from tests.test_parity_tiny import hf_greedy
 from tests.test_router import GREEDY, generate
 
 INFERMESH = str(Path(sys.executable).parent / "infermesh")
@@ -91,6 +92,26 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoin
     pushes = [s["attributes"] for s in spans if s["name"].startswith("kvtransfer.push")]
     assert len(pushes) == 2 * 7  # 7 long prompts, each: rank 0's push (all ranks' bytes) and rank 1's own
     assert all(p["transport"] == transport and p["ok"] for p in pushes)
+
+
+def test_up_with_expert_instances_serves_an_moe_model_through_them(tiny_checkpoint):
+    folder, hf = tiny_checkpoint("qwen3_moe")
+    proc, address = start_mesh(str(folder), "--experts", "1", "--expert-ep", "2", "--prefill-cp", "2",
+                               "--local-prefill-max-tokens", "20")
+    status = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    pids = [i["pid"] for i in status]
+    try:
+        (expert,) = [i for i in status if i["role"] == "expert"]
+        assert expert["parallel"] == {"tp": 1, "cp": 1, "ep": 2}
+        g = torch.Generator().manual_seed(12)
+        prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (4, 40, 9, 70)]
+        with ThreadPoolExecutor(4) as pool:  # prefilled on decode and on the CP instance, experts on the expert ranks
+            results = list(pool.map(lambda p: generate(address, p), prompts))
+        assert [tokens for tokens, _ in results] == [hf_greedy(hf, p, 6)[0] for p in prompts]
+        attached = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+        assert [i["active_requests"] for i in attached if i["role"] == "expert"] == [2]  # prefill and decode attached
+    finally:
+        stop_mesh(proc, pids)
 
 
 def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason(tiny_checkpoint):
