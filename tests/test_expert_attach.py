@@ -52,7 +52,7 @@ def test_attached_experts_give_the_transformers_tokens(tiny_checkpoint, arch, la
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{store.port}"
     ctx = mp.get_context("spawn")
-    results, done = ctx.SimpleQueue(), ctx.Event()
+    results, done = ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=expert_rank, args=(r, str(folder), address, attention_ranks, expert_ranks,
                                                      results, done)) for r in range(expert_ranks)]
     for w in workers:
@@ -65,7 +65,7 @@ def test_attached_experts_give_the_transformers_tokens(tiny_checkpoint, arch, la
             outs = llm.generate(prompts, GREEDY)
     finally:
         done.set()
-        counts = dict(results.get() for _ in workers)
+        counts = dict(results.get(timeout=60) for _ in workers)  # a worker that died fails the test, not hangs it
         for w in workers:
             w.join(timeout=30)
     for prompt, out in zip(prompts, outs):

@@ -107,3 +107,24 @@ def test_a_dead_expert_instance_fails_its_attached_decode_and_the_router_retries
         for instance in (router, attached, standalone):
             instance.stop()
         proc.kill()
+
+
+def test_upcycled_smollm2_through_an_expert_instance_gives_the_dense_model_tokens():
+    from engine import LLM, SamplingParams
+
+    registry = MemoryRegistry()
+    common = dict(model="smollm2-135m-moe", dtype="float32")
+    experts = ExpertInstance(ExpertSettings(ep=2, **common), registry=registry)
+    decode = DecodeInstance(DecodeSettings(experts=experts.address, kv_cache_bytes=1 << 24, **common), registry=registry)
+    router = RouterInstance(RouterSettings(model="smollm2-135m-moe"), registry=registry)
+    try:
+        with LLM("smollm2-135m", dtype="float32") as dense:
+            prompt = dense.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+            expected = dense.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0].token_ids
+        tokens, _ = generate(router.address, prompt, SamplingParams(max_tokens=10, temperature=0.0))
+        assert tokens == expected
+        status = internal_pb2_grpc.AdminStub(channel(experts.address)).Status(internal_pb2.StatusRequest(), timeout=30)
+        assert len(status.expert_load) == 30 and all(sum(layer.tokens) > 0 for layer in status.expert_load)
+    finally:
+        for instance in (router, decode, experts):
+            instance.stop()

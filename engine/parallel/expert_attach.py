@@ -70,9 +70,14 @@ class ExpertShard:
         self.placement = expert_placement(self.num_experts, expert_ranks)
         local = [e for e, owner in enumerate(self.placement) if owner == rank]
         self.first_expert = local[0]
-        self.weights = [(m.w_gate_up[local[0]:local[-1] + 1].detach().clone(),
-                         m.w_down[local[0]:local[-1] + 1].detach().clone()) for m in moes]  # per layer
+        self.weights = [(_own(m.w_gate_up[local[0]:local[-1] + 1]), _own(m.w_down[local[0]:local[-1] + 1]))
+                        for m in moes]  # per layer
         self.hidden, self.dtype, self.top_k = moes[0].w_gate_up.shape[2], moes[0].w_gate_up.dtype, moes[0].top_k
+
+
+def _own(experts: torch.Tensor) -> torch.Tensor:
+    """This rank's slice, apart from the model (shared upcycled experts stay one shared tensor)."""
+    return experts.detach() if experts.stride(0) == 0 else experts.detach().clone()
 
 
 @torch.inference_mode()
