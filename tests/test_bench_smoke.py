@@ -46,3 +46,10 @@ def test_kvtransfer_bench_runs():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| gRPC stream (loopback) |" in proc.stdout and "| torch p2p (gloo pair group) |" in proc.stdout
+
+
+def test_experts_bench_runs():
+    proc = subprocess.run([sys.executable, str(BENCH / "experts.py"), "--quick"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| 1 |" in proc.stdout and "| 16 |" in proc.stdout
