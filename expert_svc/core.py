@@ -23,11 +23,10 @@ from engine.core import DTYPES
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
-from engine.parallel.groups import stateless_group
+from engine.parallel.groups import IDLE, stateless_group  # IDLE: an attachment may sit idle for any time
 from engine.parallel.launcher import plan_group, receive_plan
 from engine.weights import load_checkpoint
 
-IDLE = datetime.timedelta(days=365)  # an attachment may sit idle for any time
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 POLL_S = 0.05
 PUBLISH_S = 0.5  # how often follower ranks publish their token counts (`load/<rank>`) for rank 0's status
@@ -81,26 +80,29 @@ class ExpertRank:
         self._stop.set()
         self.thread.join()
 
-    def _listen(self) -> None:
+    def _client(self) -> dist.TCPStore:
         host, port = self.address.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+
+    def _listen(self) -> None:
         try:
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+            store = self._client()
             attachment = 1
             while not self._stop.is_set():
                 if not store.check([f"attach/{attachment}"]):  # polled: a blocking wait could not be stopped
                     time.sleep(POLL_S)
                     continue
                 attention_ranks = int(store.get(f"attach/{attachment}"))
-                threading.Thread(target=self._serve, args=(store, attachment, attention_ranks), daemon=True,
+                threading.Thread(target=self._serve, args=(attachment, attention_ranks), daemon=True,
                                  name=f"expert-{group_name(attachment)}").start()  # joining blocks: not here
                 attachment += 1
         except RuntimeError:
             return  # the rendezvous store went away: the instance is stopping
 
-    def _serve(self, store, attachment: int, attention_ranks: int) -> None:
-        try:
-            group = stateless_group(store, group_name(attachment), attention_ranks + self.rank,
-                                    attention_ranks + self.ranks, timeout=IDLE)
+    def _serve(self, attachment: int, attention_ranks: int) -> None:
+        try:  # a connection of its own: a store client runs one operation at a time, and joining waits
+            group = stateless_group(self._client(), group_name(attachment), attention_ranks + self.rank,
+                                    attention_ranks + self.ranks, timeout=STORE_TIMEOUT, idle_timeout=IDLE)
         except RuntimeError:
             return  # the attaching instance never joined
         tokens = torch.zeros_like(self._finished)

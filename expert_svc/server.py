@@ -18,6 +18,7 @@ import uuid
 
 import grpc
 import torch
+from opentelemetry.metrics import Observation
 
 from engine.core import DTYPES
 from engine.model import build_model
@@ -31,6 +32,7 @@ from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_r
 from mesh.registry.remote import to_message
 from mesh.service import Heartbeat, serve
 from mesh.settings import ExpertSettings
+from mesh.telemetry import setup_metrics
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 class ExpertService(internal_pb2_grpc.ExpertServicer):
@@ -93,7 +95,17 @@ class ExpertInstance:
                                  parallel={"tp": 1, "cp": 1, "ep": s.ep}, state=InstanceState.SERVING,
                                  rendezvous=self.book.address)
         self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
+        self.meter_provider = setup_metrics(s.metrics, "expert", s.metrics_interval_s)
+        if self.meter_provider:
+            self.meter_provider.get_meter("infermesh").create_observable_counter(
+                "infermesh.expert.tokens", callbacks=[self._observe_tokens], unit="{token}",
+                description="Tokens each expert computed, per MoE layer (attributes: layer, expert)")
         self._stopped = False
+
+    def _observe_tokens(self, options):
+        for layer, tokens in enumerate(self.load().tolist()):
+            for expert, count in enumerate(tokens):
+                yield Observation(count, {"layer": layer, "expert": expert})
 
     def load(self) -> torch.Tensor:
         """Tokens per MoE layer and expert (global ids), over every rank: [layers, num_experts]."""
@@ -119,6 +131,8 @@ class ExpertInstance:
         self._stopped = True
         self.heartbeat.stop()
         self.server.stop(grace=None)
+        if self.meter_provider:
+            self.meter_provider.shutdown()  # a last export, while the ranks can still report
         self.rank.stop()
         if self.ranks:
             self.ranks.close()

@@ -18,12 +18,11 @@ import time
 
 import torch.distributed as dist
 
-from engine.parallel.groups import stateless_group
+from engine.parallel.groups import IDLE, stateless_group  # IDLE: the decode side waits for the next transfer
 from kvtransfer.torch_p2p import TorchP2PReceiver
 from kvtransfer.transport import KVReceiver
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a send or acknowledgement on the prefill side
-IDLE = datetime.timedelta(days=365)  # the decode side's receive loop waits for the next transfer
 POLL_S = 0.05
 
 
@@ -64,16 +63,17 @@ class PairListener:
                     time.sleep(POLL_S)
                     continue
                 prefill_ranks = int(store.get(f"pair/{pair}"))
-                threading.Thread(target=self._join, args=(store, pair, prefill_ranks), daemon=True).start()
+                threading.Thread(target=self._join, args=(pair, prefill_ranks), daemon=True).start()
                 pair += 1
         except RuntimeError:
             return  # the pairing store went away: the instance is stopping
 
-    def _join(self, store, pair: int, prefill_ranks: int) -> None:
-        """Joining blocks until the prefill ranks join too: on a thread of its own, not the listener's."""
+    def _join(self, pair: int, prefill_ranks: int) -> None:
+        """Joining blocks until the prefill ranks join too: on a thread and a store connection of its own
+        (a store client runs one operation at a time), not the listener's."""
         try:
-            group = stateless_group(store, f"pair-{pair}", prefill_ranks + self.rank, prefill_ranks + self.ranks,
-                                    timeout=IDLE)  # the receiver waits idle
+            group = stateless_group(_client(self.address), f"pair-{pair}", prefill_ranks + self.rank,
+                                    prefill_ranks + self.ranks, timeout=TIMEOUT, idle_timeout=IDLE)
         except RuntimeError:
             return  # the prefill side never joined (it died)
         self.receivers[pair] = TorchP2PReceiver(group, self.receiver, on_exit=lambda: self.receivers.pop(pair, None))

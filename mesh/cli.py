@@ -168,13 +168,14 @@ def up(
     expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
+    metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
                 decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, kv_transport=kv_transport,
-                experts=experts, expert_ep=expert_ep, registry=registry, trace=trace, dtype=dtype)
+                experts=experts, expert_ep=expert_ep, registry=registry, trace=trace, metrics=metrics, dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             supervisor.check_children()

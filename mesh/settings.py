@@ -23,6 +23,8 @@ class ServiceSettings:
     model: str = "smollm2-135m"
     registry: str = "memory"  # memory | redis://HOST:PORT
     trace: str = "none"  # none | console | otlp | file:PATH
+    metrics: str = "none"  # none | console | otlp | file:PATH (OpenTelemetry metrics)
+    metrics_interval_s: float = 10.0
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
 

@@ -49,6 +49,7 @@ class MeshSpec:
     expert_ep: int = 1  # EP ranks per expert instance
     registry: str = "memory"
     trace: str = "none"
+    metrics: str = "none"
     dtype: str = "bfloat16"
     kv_cache_bytes: int = 1 << 30
     startup_timeout_s: float = 300.0
@@ -87,7 +88,8 @@ class Supervisor:
                 internal_pb2_grpc.add_RegistryServicer_to_server, RegistryService(MemoryRegistry()),
                 "infermesh.v1.Registry")])
             registry = f"grpc://{s.host}:{port}"
-        common = ["--model", s.model, "--registry", registry, "--trace", s.trace, "--host", s.host]
+        common = ["--model", s.model, "--registry", registry, "--trace", s.trace, "--metrics", s.metrics,
+                  "--host", s.host]
         engine = ["--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes)]
         try:
             for i in range(s.experts):  # first: prefill and decode instances attach to them as they start

@@ -1,4 +1,4 @@
-"""Tracing across every hop: OpenTelemetry spans, W3C trace context carried in gRPC metadata.
+"""Tracing across every hop (OpenTelemetry spans, W3C trace context carried in gRPC metadata) and metrics.
 
 `setup_tracing(spec, service)` configures this process once: `none` (default),
 `console`, `otlp` (the OTLP/gRPC exporter, from the `otlp` extra; endpoint from
@@ -6,6 +6,10 @@ the standard OTEL_EXPORTER_OTLP_* variables) or `file:PATH` (each finished span
 appended to PATH as one JSON line; every process of a mesh may share the file).
 Clients put `outgoing_metadata()` on their calls; servers open their span with
 `server_span(grpc_context, name)`, which continues the caller's trace.
+
+`setup_metrics(spec, service)` returns a `MeterProvider` for one instance (same specs; `file:PATH`
+appends one JSON line per data point at each export), or None for `none`; the instance registers its
+instruments on it and shuts it down when it stops (a last export).
 """
 
 from __future__ import annotations
@@ -18,26 +22,59 @@ from typing import Iterator, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (ConsoleMetricExporter, MetricExporter, MetricExportResult,
+                                              MetricsData, PeriodicExportingMetricReader)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter,
                                             SpanExportResult)
 
 
-class JsonLinesExporter(SpanExporter):
-    """Appends spans as JSON lines; an exclusive lock per batch keeps lines of several processes whole."""
+def _append_lines(path: str, records: Sequence[dict]) -> None:
+    """Append JSON lines under an exclusive lock: lines of several processes stay whole."""
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(lines)
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
 
+
+class JsonLinesExporter(SpanExporter):
     def __init__(self, path: str) -> None:
         self.path = path
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(span_record(s)) + "\n" for s in spans)
-        with open(self.path, "a", encoding="utf-8") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(lines)
-            f.flush()
-            fcntl.flock(f, fcntl.LOCK_UN)
+        _append_lines(self.path, [span_record(s) for s in spans])
         return SpanExportResult.SUCCESS
+
+
+class JsonLinesMetricExporter(MetricExporter):
+    """One line per data point: name, attributes, value, service, pid, time_ns."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
+        records = []
+        for resource in metrics_data.resource_metrics:
+            service = resource.resource.attributes.get("service.name")
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        records.append({"name": metric.name, "attributes": dict(point.attributes or {}),
+                                        "value": getattr(point, "value", None), "service": service,
+                                        "pid": os.getpid(), "time_ns": point.time_unix_nano})
+        _append_lines(self.path, records)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        pass
 
 
 def span_record(span: ReadableSpan) -> dict:
@@ -75,6 +112,25 @@ def setup_tracing(spec: str, service: str) -> TracerProvider | None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))  # spans are written as they end: none lost at exit
     trace.set_tracer_provider(provider)
     return provider
+
+
+def setup_metrics(spec: str, service: str, interval_s: float = 10.0) -> MeterProvider | None:
+    if spec == "none":
+        return None
+    if spec == "console":
+        exporter: MetricExporter = ConsoleMetricExporter()
+    elif spec.startswith("file:") and len(spec) > 5:
+        exporter = JsonLinesMetricExporter(spec[5:])
+    elif spec == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        except ImportError:
+            raise ValueError("metrics 'otlp' needs the OTLP exporter: pip install 'infermesh[otlp]'") from None
+        exporter = OTLPMetricExporter()
+    else:
+        raise ValueError(f"metrics must be none, console, otlp or file:PATH, got {spec!r}")
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1000)
+    return MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": service}))
 
 
 def tracer() -> trace.Tracer:

@@ -40,6 +40,8 @@ def expert_rank(rank: int, folder: str, address: str, attention_ranks: int, expe
     threading.Thread(target=serve_attachment, args=(shard, group, attention_ranks, counts), daemon=True).start()
     done.wait()
     results.put((rank, counts.tolist()))
+    results.close()
+    results.join_thread()  # delivered before leaving
     os._exit(0)  # the attention side is gone or idle: leave without a collective
 
 

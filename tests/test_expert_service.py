@@ -5,10 +5,12 @@ instance dies, its attached decode instance fails at once and the router serves 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,11 +30,12 @@ from tests.test_router import generate
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
-def expert_mesh(request, tiny_checkpoint):
+def expert_mesh(request, tiny_checkpoint, tmp_path_factory):
     folder, hf = tiny_checkpoint(request.param)
     registry = MemoryRegistry()
     common = dict(model=str(folder), dtype="float32")
-    experts = ExpertInstance(ExpertSettings(ep=2, **common), registry=registry)
+    metrics = tmp_path_factory.mktemp("metrics") / "metrics.jsonl"
+    experts = ExpertInstance(ExpertSettings(ep=2, metrics=f"file:{metrics}", **common), registry=registry)
     engine = dict(kv_cache_bytes=1 << 22, experts=experts.address, **common)
     prefill = PrefillInstance(PrefillSettings(block_size=8, cp=2, **engine), registry=registry)
     decode = DecodeInstance(DecodeSettings(block_size=16, tp=2, **engine), registry=registry)
@@ -58,10 +61,17 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
     tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
     assert tokens.shape == (2, 4) and (tokens.sum(1) > 0).all()
     assert tokens[:, 2:].sum() > 0  # the second EP rank (a child process) published its counts
+    experts.meter_provider.force_flush()  # the same counts as OpenTelemetry metrics
+    exported = {}
+    for line in Path(experts.settings.metrics[5:]).read_text().splitlines():
+        point = json.loads(line)
+        if point["name"] == "infermesh.expert.tokens":
+            exported[point["attributes"]["layer"], point["attributes"]["expert"]] = point["value"]  # the latest
+    assert exported == {(layer, e): int(tokens[layer, e]) for layer in range(2) for e in range(4)}
 
 
-def test_attach_refuses_another_model_and_zero_ranks(expert_mesh):
-    _, _, _, experts, _ = expert_mesh
+def test_attach_refuses_another_model_and_zero_ranks_and_detach_forgets(expert_mesh):
+    _, _, decode, experts, _ = expert_mesh
     stub = internal_pb2_grpc.ExpertStub(channel(experts.address))
     with pytest.raises(grpc.RpcError) as e:
         stub.Attach(internal_pb2.AttachRequest(instance_id="x", ranks=1, model="other"), timeout=10)
@@ -69,6 +79,9 @@ def test_attach_refuses_another_model_and_zero_ranks(expert_mesh):
     with pytest.raises(grpc.RpcError) as e:
         stub.Attach(internal_pb2.AttachRequest(instance_id="x", ranks=0, model=experts.settings.model), timeout=10)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "ranks must be >= 1" in e.value.details()
+    assert stub.Detach(internal_pb2.DetachRequest(instance_id=decode.id)).found
+    assert decode.id not in experts.attached()
+    assert not stub.Detach(internal_pb2.DetachRequest(instance_id=decode.id)).found
 
 
 def start_expert_process(folder, ep: int) -> tuple[subprocess.Popen, str]:

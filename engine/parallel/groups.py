@@ -12,6 +12,7 @@ import datetime
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
+IDLE = datetime.timedelta(days=365)  # the operation timeout of a rank that waits for work
 
 
 def rendezvous(host: str, port: int, rank: int, world_size: int,
@@ -21,13 +22,18 @@ def rendezvous(host: str, port: int, rank: int, world_size: int,
 
 
 def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *, backend: str = "gloo",
-                    timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.ProcessGroup:
-    """A process group named `name` among `world_size` ranks sharing `store`."""
+                    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                    idle_timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A process group named `name` among `world_size` ranks sharing `store`. Forming it waits at most
+    `timeout`; its operations wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     prefixed = dist.PrefixStore(name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if idle_timeout is not None:
+            group._set_default_timeout(idle_timeout)
+        return group
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -35,11 +35,10 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
-from engine.parallel.groups import stateless_group
+from engine.parallel.groups import IDLE, stateless_group
 from engine.step_plan import StepPlan
 
 HOST = "127.0.0.1"
-IDLE = datetime.timedelta(days=365)  # how long a follower may wait for the next step plan
 
 
 class ParallelError(RuntimeError):
@@ -47,8 +46,9 @@ class ParallelError(RuntimeError):
 
 
 def plan_group(store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-    """The group step plans are broadcast on (every rank creates it, after its ParallelContext)."""
-    return stateless_group(store, "plans", rank, world_size, timeout=IDLE)
+    """The group step plans are broadcast on (every rank creates it, after its ParallelContext);
+    a follower waits for the next plan as long as the instance stays idle."""
+    return stateless_group(store, "plans", rank, world_size, idle_timeout=IDLE)
 
 
 def send_plan(group: dist.ProcessGroup, plan: StepPlan | None) -> None:
