@@ -154,9 +154,9 @@ class DecodeInstance:
         pair_address = self.pairs.address if self.pairs else ""
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
+        followers = functools.partial(accept_kv, pair_address=pair_address, ranks=s.tp) if s.tp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(tp=s.tp, experts=experts),
-                            attach=functools.partial(accept_kv, pair_address=pair_address, ranks=s.tp) if s.tp > 1 else None)
+                            ParallelConfig(tp=s.tp, experts=experts), attach=followers)
         store = engine.executor.store if s.tp > 1 else None
         rank_addresses = [store.get(f"kv-address/{r}").decode() for r in range(1, s.tp)] if store else []
         self.core = DecodeCore(engine, shared_store=store).start()

@@ -11,8 +11,8 @@ instance's store as `push/<id>` before queueing the request. When a step plan li
 `pushes`, a follower plans its own share (`PlanSink` over the slots it stores) and sends each layer as
 the layer finishes; after the last layer it waits for the acknowledgements off the step's thread and
 reports `push-result/<id>/<rank>`. Each follower's push is a `kvtransfer.push.rank` span in the
-request's trace (the spec carries the W3C context of rank 0's `prefill.run`). Rank 0 (`PrefillCore`) answers READY only when its own push and every
-follower's succeeded, and removes the keys.
+request's trace (the spec carries the W3C context of rank 0's `prefill.run`). Rank 0 (`PrefillCore`)
+answers READY only when its own push and every follower's succeeded, and removes the keys.
 """
 
 from __future__ import annotations
