@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,12 +22,11 @@ from engine.core import DTYPES
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
-from engine.parallel.groups import IDLE, stateless_group  # IDLE: an attachment may sit idle for any time
+from engine.parallel.groups import IDLE, announcements, stateless_group  # IDLE: an attachment may sit idle for any time
 from engine.parallel.launcher import plan_group, receive_plan
 from engine.weights import load_checkpoint
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
-POLL_S = 0.05
 PUBLISH_S = 0.5  # how often follower ranks publish their token counts (`load/<rank>`) for rank 0's status
 
 
@@ -87,17 +85,11 @@ class ExpertRank:
     def _listen(self) -> None:
         try:
             store = self._client()
-            attachment = 1
-            while not self._stop.is_set():
-                if not store.check([f"attach/{attachment}"]):  # polled: a blocking wait could not be stopped
-                    time.sleep(POLL_S)
-                    continue
-                attention_ranks = int(store.get(f"attach/{attachment}"))
-                threading.Thread(target=self._serve, args=(attachment, attention_ranks), daemon=True,
-                                 name=f"expert-{group_name(attachment)}").start()  # joining blocks: not here
-                attachment += 1
         except RuntimeError:
-            return  # the rendezvous store went away: the instance is stopping
+            return  # the rendezvous store is gone: the instance is stopping
+        for attachment, attention_ranks in announcements(store, "attach", self._stop):
+            threading.Thread(target=self._serve, args=(attachment, attention_ranks), daemon=True,
+                             name=f"expert-{group_name(attachment)}").start()  # joining blocks: not here
 
     def _serve(self, attachment: int, attention_ranks: int) -> None:
         try:  # a connection of its own: a store client runs one operation at a time, and joining waits

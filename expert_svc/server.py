@@ -62,7 +62,6 @@ class AdminService(internal_pb2_grpc.AdminServicer):
     def Status(self, request, context):
         inst = self.instance
         status = to_message(inst.info)
-        status.placement[:] = inst.shard.placement
         for layer, tokens in enumerate(inst.load().tolist()):
             status.expert_load.add(layer=layer, tokens=tokens)
         status.attached[:] = inst.attached()
@@ -93,7 +92,7 @@ class ExpertInstance:
         self.address = f"{s.host}:{port}"
         self.info = InstanceInfo(id=self.id, role=Role.EXPERT, address=self.address, pid=os.getpid(), model=s.model,
                                  parallel={"tp": 1, "cp": 1, "ep": s.ep}, state=InstanceState.SERVING,
-                                 rendezvous=self.book.address)
+                                 rendezvous=self.book.address, placement=self.shard.placement)
         self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
         self.meter_provider = setup_metrics(s.metrics, "expert", s.metrics_interval_s)
         if self.meter_provider:

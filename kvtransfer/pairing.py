@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 
 import torch.distributed as dist
 
-from engine.parallel.groups import IDLE, stateless_group  # IDLE: the decode side waits for the next transfer
+from engine.parallel.groups import IDLE, announcements, stateless_group  # IDLE: the decode side waits for the next transfer
 from kvtransfer.torch_p2p import TorchP2PReceiver
 from kvtransfer.transport import KVReceiver
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a send or acknowledgement on the prefill side
-POLL_S = 0.05
 
 
 def _client(address: str) -> dist.TCPStore:
@@ -57,16 +55,10 @@ class PairListener:
     def _loop(self) -> None:
         try:
             store = _client(self.address)
-            pair = 1
-            while not self._stop.is_set():
-                if not store.check([f"pair/{pair}"]):  # polled: a blocking wait could not be stopped
-                    time.sleep(POLL_S)
-                    continue
-                prefill_ranks = int(store.get(f"pair/{pair}"))
-                threading.Thread(target=self._join, args=(pair, prefill_ranks), daemon=True).start()
-                pair += 1
         except RuntimeError:
-            return  # the pairing store went away: the instance is stopping
+            return  # the pairing store is gone: the instance is stopping
+        for pair, prefill_ranks in announcements(store, "pair", self._stop):
+            threading.Thread(target=self._join, args=(pair, prefill_ranks), daemon=True).start()
 
     def _join(self, pair: int, prefill_ranks: int) -> None:
         """Joining blocks until the prefill ranks join too: on a thread and a store connection of its own

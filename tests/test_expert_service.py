@@ -58,6 +58,8 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
     status = internal_pb2_grpc.AdminStub(channel(experts.address)).Status(internal_pb2.StatusRequest(), timeout=30)
     assert status.role == common_pb2.ROLE_EXPERT and list(status.placement) == [0, 0, 1, 1]
     assert sorted(status.attached) == sorted([prefill.id, decode.id])
+    (record,) = [i for i in router.registry.instances() if i.id == experts.id]  # registered with its placement
+    assert record.placement == (0, 0, 1, 1) and record.rendezvous == experts.book.address
     tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
     assert tokens.shape == (2, 4) and (tokens.sum(1) > 0).all()
     assert tokens[:, 2:].sum() > 0  # the second EP rank (a child process) published its counts

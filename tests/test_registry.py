@@ -44,6 +44,9 @@ def test_registered_instances_are_listed_by_role_with_their_record(registry):
     (d1,) = registry.instances(Role.DECODE)
     assert d1 == info("d1", kv_blocks_total=100, parallel={"tp": 2, "cp": 1, "ep": 1})
     assert registry.instances(Role.EXPERT) == []
+    expert = info("e1", Role.EXPERT, rendezvous="127.0.0.1:7000", placement=(0, 0, 1, 1))
+    registry.register(expert, ttl_s=30)
+    assert registry.instances(Role.EXPERT) == [expert]  # with its placement and rendezvous
 
 
 def test_registering_again_replaces_the_record(registry):

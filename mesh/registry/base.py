@@ -43,6 +43,7 @@ class InstanceInfo:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     rendezvous: str = ""  # host:port of a TCPStore for process groups with this instance (expert attachment)
+    placement: tuple[int, ...] = ()  # expert instances: the owner EP rank of each expert
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -50,7 +51,8 @@ class InstanceInfo:
     @classmethod
     def from_json(cls, text: str | bytes) -> "InstanceInfo":
         data = json.loads(text)
-        return cls(**data | {"role": Role(data["role"]), "state": InstanceState(data["state"])})
+        return cls(**data | {"role": Role(data["role"]), "state": InstanceState(data["state"]),
+                             "placement": tuple(data.get("placement", ()))})
 
 
 class Registry(abc.ABC):

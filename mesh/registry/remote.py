@@ -21,7 +21,7 @@ def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
         id=info.id, role=ROLES[info.role], address=info.address, pid=info.pid, model=info.model,
         parallel=common_pb2.ParallelLayout(**info.parallel), state=STATES[info.state],
         active_requests=info.active_requests, total_requests=info.total_requests, kv_blocks_used=info.kv_blocks_used,
-        kv_blocks_total=info.kv_blocks_total, rendezvous=info.rendezvous)
+        kv_blocks_total=info.kv_blocks_total, rendezvous=info.rendezvous, placement=info.placement)
 
 
 def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
@@ -30,7 +30,7 @@ def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
         parallel={"tp": m.parallel.tp, "cp": m.parallel.cp, "ep": m.parallel.ep},
         state={v: k for k, v in STATES.items()}[m.state], active_requests=m.active_requests,
         total_requests=m.total_requests, kv_blocks_used=m.kv_blocks_used, kv_blocks_total=m.kv_blocks_total,
-        rendezvous=m.rendezvous)
+        rendezvous=m.rendezvous, placement=tuple(m.placement))
 
 
 class RegistryService(internal_pb2_grpc.RegistryServicer):
