@@ -89,9 +89,12 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoin
     finally:
         stop_mesh(proc, pids)
     spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
-    pushes = [s["attributes"] for s in spans if s["name"].startswith("kvtransfer.push")]
-    assert len(pushes) == 2 * 7  # 7 long prompts, each: rank 0's push (all ranks' bytes) and rank 1's own
-    assert all(p["transport"] == transport and p["ok"] for p in pushes)
+    pushes = [s for s in spans if s["name"].startswith("kvtransfer.push")]
+    whole = sum(s["name"] == "kvtransfer.push" for s in pushes)  # rank 0's span: every rank's bytes
+    # each pushed request: rank 0's push and rank 1's own; the five distinct long prompts at least (a repeated one
+    # may find its twin's prefix cached on decode, depending on arrival order, and be prefilled there)
+    assert whole == len(pushes) - whole >= 5
+    assert all(s["attributes"]["transport"] == transport and s["attributes"]["ok"] for s in pushes)
 
 
 def test_up_with_expert_instances_serves_an_moe_model_through_them(tiny_checkpoint):

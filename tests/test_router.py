@@ -63,7 +63,8 @@ def test_sixteen_concurrent_requests_equal_the_single_engine_both_ways(mesh):
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == expected
     long_prompts = sum(len(p) > 20 for p in prompts)  # the rest were prefilled on decode
-    assert prefill.core.total_requests - before == long_prompts
+    # each prompt comes twice: a twin may find the other's prefix cached on decode and be prefilled there
+    assert len({tuple(p) for p in prompts if len(p) > 20}) <= prefill.core.total_requests - before <= long_prompts
     final = results[4][1]
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and list(final.prompt_token_ids) == prompts[4]
     assert final.usage.completion_tokens == 6 and final.timings.total_s >= final.timings.ttft_s > 0

@@ -55,7 +55,8 @@ def test_sixteen_concurrent_requests_through_cp2_prefill_and_tp2_decode_equal_th
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == expected
-    assert prefill.core.total_requests - before == sum(len(p) > 20 for p in prompts)  # those went through the push
+    long_prompts = [tuple(p) for p in prompts if len(p) > 20]  # pushed, unless a twin's prefix is cached on decode
+    assert len(set(long_prompts)) <= prefill.core.total_requests - before <= len(long_prompts)
 
 
 def test_kv_over_torch_p2p_pair_groups_formed_on_demand_gives_the_engine_tokens(cp_tp_mesh):
