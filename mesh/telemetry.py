@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 from typing import Iterator, Sequence
@@ -93,21 +94,28 @@ def span_record(span: ReadableSpan) -> dict:
     }
 
 
-def setup_tracing(spec: str, service: str) -> TracerProvider | None:
+def _exporter(spec: str, setting: str, console, to_file, otlp: tuple[str, str]):
+    """The exporter `spec` names (none | console | otlp | file:PATH), or None for none."""
     if spec == "none":
         return None
     if spec == "console":
-        exporter: SpanExporter = ConsoleSpanExporter()
-    elif spec.startswith("file:") and len(spec) > 5:
-        exporter = JsonLinesExporter(spec[5:])
-    elif spec == "otlp":
+        return console()
+    if spec.startswith("file:") and len(spec) > 5:
+        return to_file(spec[5:])
+    if spec == "otlp":
+        module, name = otlp
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            return getattr(importlib.import_module(module), name)()
         except ImportError:
-            raise ValueError("trace 'otlp' needs the OTLP exporter: pip install 'infermesh[otlp]'") from None
-        exporter = OTLPSpanExporter()
-    else:
-        raise ValueError(f"trace must be none, console, otlp or file:PATH, got {spec!r}")
+            raise ValueError(f"{setting} 'otlp' needs the OTLP exporter: pip install 'infermesh[otlp]'") from None
+    raise ValueError(f"{setting} must be none, console, otlp or file:PATH, got {spec!r}")
+
+
+def setup_tracing(spec: str, service: str) -> TracerProvider | None:
+    exporter = _exporter(spec, "trace", ConsoleSpanExporter, JsonLinesExporter,
+                         ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"))
+    if exporter is None:
+        return None
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))  # spans are written as they end: none lost at exit
     trace.set_tracer_provider(provider)
@@ -115,20 +123,10 @@ def setup_tracing(spec: str, service: str) -> TracerProvider | None:
 
 
 def setup_metrics(spec: str, service: str, interval_s: float = 10.0) -> MeterProvider | None:
-    if spec == "none":
+    exporter = _exporter(spec, "metrics", ConsoleMetricExporter, JsonLinesMetricExporter,
+                         ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"))
+    if exporter is None:
         return None
-    if spec == "console":
-        exporter: MetricExporter = ConsoleMetricExporter()
-    elif spec.startswith("file:") and len(spec) > 5:
-        exporter = JsonLinesMetricExporter(spec[5:])
-    elif spec == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        except ImportError:
-            raise ValueError("metrics 'otlp' needs the OTLP exporter: pip install 'infermesh[otlp]'") from None
-        exporter = OTLPMetricExporter()
-    else:
-        raise ValueError(f"metrics must be none, console, otlp or file:PATH, got {spec!r}")
     reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1000)
     return MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": service}))
 
