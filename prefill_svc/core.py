@@ -47,7 +47,6 @@ class PrefillCore:
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None
         self._waiting: dict[str, Future] = {}
-        self._choices: dict[str, CPChoice] = {}
         self._loop = EngineLoop(engine, self._deliver, name="prefill-engine", on_failure=self._fail_waiting)
 
     @property
@@ -95,7 +94,7 @@ class PrefillCore:
             return seq
 
         seq = self._loop.call(add)
-        out: StepOutput = first.result()
+        out, choice = first.result()  # StepOutput, CPChoice | None
         prefill_seconds = time.perf_counter() - started
         stats = None
         try:
@@ -110,7 +109,7 @@ class PrefillCore:
         return PrefillResult(first_token=out.new_token_ids[0], logprobs=out.new_logprobs[0] if out.new_logprobs else None,
                              kv_ok=not error, kv_error=error, transfer=stats,
                              cached_tokens=seq.num_cached_prompt_tokens, prefill_seconds=prefill_seconds,
-                             cp_choice=self._choices.pop(request_id, None))
+                             cp_choice=choice)
 
     def cancel(self, request_id: str) -> bool:
         def run():
@@ -130,10 +129,7 @@ class PrefillCore:
     def _deliver(self, out: StepOutput) -> None:
         waiting = self._waiting.pop(out.request_id, None)
         if waiting is not None and out.new_token_ids:
-            choice = self.engine.last_cp_choices.get(out.request_id)  # the step that just ran
-            if choice is not None:
-                self._choices[out.request_id] = choice
-            waiting.set_result(out)
+            waiting.set_result((out, self.engine.last_cp_choices.get(out.request_id)))  # the step that just ran
 
     def _fail_waiting(self, error: BaseException) -> None:
         for request_id in list(self._waiting):
