@@ -23,6 +23,7 @@ demo: setup
 	$(BIN)/infermesh demo --prompt "$(PROMPT)"
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 bench: setup

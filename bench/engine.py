@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-from engine.weights import load_checkpoint, resolve_model  # noqa: E402
+from engine.model_info import resolve_model  # noqa: E402
+from engine.weights import load_checkpoint  # noqa: E402
 
 PROMPT_TOKENS = [504, 3575, 282, 4649, 314]  # any short prompt; decode cost barely depends on it
 
@@ -82,7 +83,8 @@ def main() -> None:
     for name, fn in (("infermesh", infermesh_rates), ("transformers", transformers_rates)):
         for dtype in ("float32", "bfloat16"):
             r = fn(dtype, batch, steps, prefill)
-            rows.append(f"| {name} | {dtype} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} | {r['prefill']:.0f} |")
+            rows.append(f"| {name} | {dtype} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} "
+                        f"| {r['prefill']:.0f} |")
             print(rows[-1], flush=True)
     header = (
         f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "

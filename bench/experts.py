@@ -52,7 +52,8 @@ def worker(rank: int, port: int, token_counts: list[int], repeats: int, results)
             mine = [e for e, owner in enumerate(expert_placement(EXPERTS, EXPERT_RANKS)) if owner == rank - 1]
             exchange = ExpertExchange(group, counts, moe.w_gate_up[mine[0]:mine[-1] + 1].clone(),
                                       moe.w_down[mine[0]:mine[-1] + 1].clone())
-            none, no_weights, no_ids = torch.empty(0, HIDDEN), torch.empty(0, TOP_K), torch.empty(0, TOP_K, dtype=torch.long)
+            none, no_weights = torch.empty(0, HIDDEN), torch.empty(0, TOP_K)
+            no_ids = torch.empty(0, TOP_K, dtype=torch.long)
         for tokens in token_counts:
             rows = tokens * TOP_K  # the attention rank's rows out, and back
             out_splits = [0, rows // 2, rows - rows // 2]

@@ -49,7 +49,8 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    batch, context, heads, kv_heads, head_dim, block = (2, 64, 4, 2, 64, 16) if args.quick else (32, 4096, 32, 8, 128, 16)
+    shape = (2, 64, 4, 2, 64, 16) if args.quick else (32, 4096, 32, 8, 128, 16)
+    batch, context, heads, kv_heads, head_dim, block = shape
     repeats = 2 if args.quick else 20
     blocks_per_seq = context // block
     k_cache = torch.randn(batch * blocks_per_seq, block, kv_heads, head_dim, device=device, dtype=dtype)
@@ -65,8 +66,8 @@ def main() -> None:
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
-    rows = [("paged decode attention", kv_bytes, lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
-             torch_decode)]
+    rows = [("paged decode attention", kv_bytes,
+             lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), torch_decode)]
     partials, tokens = 4, (64 if args.quick else 8192)
     outs = torch.randn(partials, tokens, heads, head_dim, device=device)
     lses = torch.randn(partials, tokens, heads, device=device)

@@ -42,8 +42,8 @@ def layouts(tokens: int):
 
 
 def cache(blocks: int):
-    return [(torch.randn(blocks, BLOCK, HEADS, HEAD_DIM).bfloat16(), torch.randn(blocks, BLOCK, HEADS, HEAD_DIM).bfloat16())
-            for _ in range(LAYERS)]
+    shape = (blocks, BLOCK, HEADS, HEAD_DIM)
+    return [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
 
 
 def push(sender, kv, pieces) -> None:

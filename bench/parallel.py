@@ -34,8 +34,8 @@ def worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, res
     shared = SharedMemoryAllReduce(group, max_bytes=max(sizes))
     for size in sizes:
         t = torch.ones(size // 4)
-        runs = {algorithm.value: lambda a=algorithm: all_reduce(t, group, a) for algorithm in AllReduceAlgorithm}
-        runs["shm flat"] = lambda: shared(t)
+        runs = {algorithm.value: lambda a=algorithm, t=t: all_reduce(t, group, a) for algorithm in AllReduceAlgorithm}
+        runs["shm flat"] = lambda t=t: shared(t)
         for name, run in runs.items():
             times = []
             for _ in range(repeats):

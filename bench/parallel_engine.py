@@ -113,7 +113,8 @@ def bench_ep(token_counts: list[int]) -> None:
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(ep_worker, args=(2, port, token_counts, results), nprocs=2)
     print("### EP MoE layer, 2 ranks x 1 thread, 8 experts top-2, D = I = 1024, fp32, median ms\n")
-    print("| tokens | EP=2: dispatch + experts + combine | two bare all-to-alls of the payload | one rank, all experts |")
+    print("| tokens | EP=2: dispatch + experts + combine | two bare all-to-alls of the payload "
+          "| one rank, all experts |")
     print("|---|---|---|---|")
     while not results.empty():
         tokens, layer, floor, local = results.get()

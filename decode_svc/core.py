@@ -4,14 +4,15 @@ One thread owns the `EngineCore` and loops: run the commands other threads
 queued, then one engine step, then hand each request's output to its stream.
 gRPC handlers call `reserve`, `generate`, `join` and `cancel` from their own
 threads; each runs as a command on the engine thread (between steps) and
-`generate`/`join` return the request's queue of `Event`s: tokens, then a final one.
+`generate`/`join` return the request's queue of `TokenEvent`s: tokens, then a final one.
 
 KV arriving for reserved requests is written by a `KVReceiver` from transport
 threads under `kv_lock`; the engine thread takes the same lock to drop a
 reservation, so a piece is never written into blocks already given back.
 
-Lifecycle: `start()` -> serving -> `drain()` (refuse new requests, finish the
-running ones) -> `stop()` (abort what is left, join the thread; safe twice).
+Lifecycle: `start()` -> serving -> `stop()` (abort what is left, join the thread;
+safe twice). Whether new work is admitted is the instance's call (`mesh.instance`);
+`in_flight` counts what a drain waits for: running requests and reservations.
 """
 
 from __future__ import annotations
@@ -19,33 +20,37 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from decode_svc.follower import reservation_key
-from engine.core import EngineCore, RequestError, StepOutput
+from engine.core import EngineCore, StepOutput
+from engine.errors import NoReservation, PeerFailed, ServingError
 from engine.loop import EngineLoop
-from engine.sampler import SamplingParams, TokenLogprobs
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
+class TokenEvent:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # the last event of a request has one
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_prompt_tokens (last event)
-    error: str | None = None  # the engine failed: the request cannot go on
+    error: ServingError | None = None  # the engine failed: the request cannot go on here
 
 
 class DecodeCore:
-    def __init__(self, engine: EngineCore, shared_store=None) -> None:
+    def __init__(self, engine: EngineCore, shared_store=None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         """`shared_store`: the store of a multi-rank instance, where reservations are published to its other
-        ranks (each accepts pushed KV for its heads)."""
-        self.engine, self.shared_store = engine, shared_store
+        ranks (each accepts pushed KV for its heads). `on_failure(error)`: a step raised (after the waiting
+        streams got the error)."""
+        self.engine, self.shared_store, self.on_failure = engine, shared_store, on_failure
         self.kv_lock = threading.Lock()
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
         self.total_requests = 0
-        self.draining = False
+        self._block_hashes: set[int] = set()  # the last snapshot of the prefix cache
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Sequence] = {}  # active: reserved or running
         self._loop = EngineLoop(engine, self._deliver, name="decode-engine", on_failure=self._fail_streams)
@@ -57,9 +62,6 @@ class DecodeCore:
         self._loop.start()
         return self
 
-    def drain(self) -> None:
-        self.draining = True
-
     def stop(self) -> None:
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
@@ -69,11 +71,18 @@ class DecodeCore:
         """A step raised (a rank or the expert instance died): this instance serves nothing more."""
         return self._loop.error is not None
 
+    @property
+    def in_flight(self) -> int:
+        """Requests running or reserved here."""
+        return len(self._requests)
+
     def _fail_streams(self, error: BaseException) -> None:
-        for request_id, stream in list(self._streams.items()):
-            stream.put(Event([], "", error=f"the decode engine failed: {error!r}"))
+        for stream in list(self._streams.values()):
+            stream.put(TokenEvent([], "", error=PeerFailed(f"the decode engine failed: {error!r}")))
         self._streams.clear()
         self._requests.clear()
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def _abort_all(self) -> None:
         for request_id in list(self._requests):
@@ -85,7 +94,6 @@ class DecodeCore:
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[tuple[int, ...], int]:
         """Blocks for a prompt prefilled elsewhere: (block table, tokens already cached here)."""
         def run():
-            self._refuse_when_draining()
             seq = self.engine.reserve(request_id, prompt, params)
             with self.kv_lock:
                 self.reservations[request_id] = tuple(seq.block_table)
@@ -99,7 +107,6 @@ class DecodeCore:
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> queue.Queue:
         """Prefill here and decode: the whole request on this instance."""
         def run():
-            self._refuse_when_draining()
             seq = self.engine.add_request(request_id, prompt, params)
             self._requests[request_id] = seq
             self._track(seq.request_id)
@@ -112,7 +119,7 @@ class DecodeCore:
         def run():
             with self.kv_lock:
                 if self.reservations.pop(request_id, None) is None:
-                    raise RequestError(f"request_id {request_id!r} has no reservation")
+                    raise NoReservation(f"request_id {request_id!r} has no reservation")
             self._unpublish(request_id)
             stream = self._track(request_id)
             if first_token is None:
@@ -137,9 +144,21 @@ class DecodeCore:
 
         return False if self.failed else self._call(run)  # a failed engine has freed everything already
 
-    def cached_block_hashes(self) -> set[int]:
-        """Hashes of the full KV blocks in the prefix cache (read on the engine thread); none once failed."""
-        return set() if self.failed else self._call(lambda: set(self.engine.blocks.cached))
+    def cached_block_hashes(self, wait_s: float = 0.2) -> set[int]:
+        """Hashes of the full KV blocks in the prefix cache, read on the engine thread between steps; while a
+        long step runs, the last snapshot after `wait_s` (the heartbeat must not wait out its TTL). None once
+        failed."""
+        if self.failed:
+            return set()
+
+        def snapshot() -> None:
+            self._block_hashes = set(self.engine.blocks.cached)
+
+        try:
+            self._loop.submit(snapshot).result(timeout=wait_s)
+        except (TimeoutError, ServingError):  # a step is running, or the engine stopped meanwhile
+            pass
+        return self._block_hashes
 
     def status(self) -> dict[str, int]:
         blocks = self.engine.blocks
@@ -163,14 +182,10 @@ class DecodeCore:
             usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_token_ids),
                      "cached_prompt_tokens": seq.num_cached_prompt_tokens}
             del self._requests[out.request_id], self._streams[out.request_id]
-        stream.put(Event(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage))
+        stream.put(TokenEvent(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage))
 
     def _unpublish(self, request_id: str) -> None:
         """Other ranks keep accepting pieces until the next step plan names the reservation as ended."""
         if self.shared_store is not None:
             self.shared_store.delete_key(reservation_key(request_id))
-
-    def _refuse_when_draining(self) -> None:
-        if self.draining:
-            raise RuntimeError("this decode instance is draining")
 

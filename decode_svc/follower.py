@@ -1,26 +1,34 @@
-"""What ranks 1..N-1 of a tensor-parallel decode instance add to following the step plans: a KVTransfer
-gRPC server of their own, so prefill instances push each rank its heads directly.
+"""What ranks 1..N-1 of a tensor-parallel decode instance add to following the step plans: an endpoint of
+every KV transport the instance offers, so prefill instances push each rank its heads directly.
 
 Rank 0 publishes each reservation's block table in the instance's store (`reservation/<id>`) before it
 answers Reserve; a follower reads it on the first piece and keeps it until a step plan says the
 reservation ended — under the receiver's lock, before that step runs, so no piece lands in blocks the
-step may reuse. The follower's address is published as `kv-address/<rank>`; for the torch_p2p transport
-the follower also joins every pair claimed on the instance's pairing store.
+step may reuse. Each rank publishes its endpoint of each transport as `kv-endpoint/<transport>/<rank>`.
 """
 
 from __future__ import annotations
 
 import threading
 
-from kvtransfer.grpc_stream import KVTransferService
-from kvtransfer.pairing import PairListener
+from kvtransfer import transports
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
-from protos.infermesh.v1 import internal_pb2_grpc
 
 
 def reservation_key(request_id: str) -> str:
     return f"reservation/{request_id}"
+
+
+def endpoint_key(transport: str, rank: int) -> str:
+    return f"kv-endpoint/{transport}/{rank}"
+
+
+def open_endpoints(rank: int, ranks: int, receiver: KVReceiver, links: rpc.Links,
+                   shared: dict[str, str | None]) -> dict:
+    """This rank's endpoint of each transport in `shared` (transport name -> the address rank 0 shares)."""
+    return {name: transports.by_name(name).load().Endpoint(rank, ranks, receiver, links, address)
+            for name, address in shared.items()}
 
 
 class ReservationView:
@@ -42,15 +50,22 @@ class ReservationView:
                 self._tables.pop(request_id, None)
 
 
-def accept_kv(rank: int, store, runner, pair_address: str = "", ranks: int = 1):
-    """`attach` hook for EngineCore: serve KVTransfer for this rank's cache (and, with `pair_address` and the
-    instance's `ranks` bound, join its torch_p2p pairs); returns the before-step hook."""
-    view = ReservationView(store)
-    receiver = KVReceiver(runner.kv_cache, view.get, view.lock)
-    if pair_address:
-        PairListener(pair_address, rank, ranks, receiver)
-    server, port, _ = rpc.start_server("127.0.0.1", 0, [
-        (internal_pb2_grpc.add_KVTransferServicer_to_server, KVTransferService(receiver, rank), "infermesh.v1.KVTransfer")])
-    store.set(f"kv-address/{rank}", f"127.0.0.1:{port}")
-    accept_kv.server = server  # keep it alive for the process's life
-    return view.before_step
+class KVFollower:
+    """One follower rank's receiving side: its endpoints (alive as long as this object) and its reservations."""
+
+    def __init__(self, rank: int, store, runner, host: str, ranks: int, shared: dict[str, str | None]) -> None:
+        self.view = ReservationView(store)
+        self.links = rpc.Links(host)
+        receiver = KVReceiver(runner.kv_cache, self.view.get, self.view.lock)
+        self.endpoints = open_endpoints(rank, ranks, receiver, self.links, shared)
+        for name, endpoint in self.endpoints.items():
+            store.set(endpoint_key(name, rank), endpoint.address)
+
+    def before_step(self, plan) -> None:
+        self.view.before_step(plan)
+
+
+def accept_kv(rank: int, store, runner, *, host: str, ranks: int, shared: dict[str, str | None]):
+    """The `follower_hook` of EngineCore (bind the keywords with functools.partial): open this rank's KV
+    endpoints on `host` and publish them; returns the before-step hook (it keeps them for the process's life)."""
+    return KVFollower(rank, store, runner, host, ranks, shared).before_step

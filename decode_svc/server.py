@@ -1,36 +1,37 @@
-"""The gRPC shell of a decode instance: Decode (reserve, stream tokens, cancel), KVTransfer (receives
-pushed KV into reserved blocks), Admin status, health and reflection; registered with a heartbeat.
+"""The gRPC shell of a decode instance: Decode (reserve, stream tokens, cancel) and, on every rank, an
+endpoint of each KV transport it offers, which receives pushed KV into reserved blocks; the shared
+lifecycle, Admin, health and registry record of `mesh.instance`.
 
     python -m decode_svc.server --port 0 --model smollm2-135m [--registry memory|redis://...] ...
 
-Errors map to status codes: bad sampling or prompt -> INVALID_ARGUMENT (naming the field and limit),
-no room in the KV cache -> RESOURCE_EXHAUSTED, unknown request -> NOT_FOUND, draining -> UNAVAILABLE.
+Failures are typed (`engine.errors`) and mapped to status codes at the gRPC edge: bad sampling or
+prompt -> INVALID_ARGUMENT (naming the field and limit), no room in the KV cache -> RESOURCE_EXHAUSTED,
+unknown reservation -> NOT_FOUND, a transport it does not offer -> FAILED_PRECONDITION, draining or a
+failed engine -> UNAVAILABLE. Every decode instance of a mesh uses one KV block size: one whose
+setting differs from the registered instances' refuses to start.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 import queue
 import threading
-import uuid
-
-import grpc
 
 from decode_svc.core import DecodeCore
-from decode_svc.follower import accept_kv
-from engine.core import EngineConfig, EngineCore, RequestError
+from decode_svc.follower import accept_kv, endpoint_key, open_endpoints
+from engine.core import EngineConfig, EngineCore
+from engine.errors import DeadlineExceeded, Unsupported
 from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.tp import head_shard
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.weights import load_checkpoint
-from kvtransfer.grpc_stream import DTYPES, KVTransferService
-from kvtransfer.pairing import PairHost, PairListener
+from kvtransfer import transports
+from kvtransfer.grpc_stream import WIRE_DTYPES
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, serve
+from mesh.instance import Instance
+from mesh.registry import Registry, Role
+from mesh.service import serve
 from mesh.settings import DecodeSettings
 from mesh.telemetry import server_span
 from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
@@ -40,46 +41,39 @@ EVENT_TIMEOUT_S = 600.0  # the longest gap between two tokens of one request bef
 
 
 class DecodeService(internal_pb2_grpc.DecodeServicer):
-    def __init__(self, core: DecodeCore, instance_id: str, address: str, rank_addresses: list[str],
-                 pair_address: str) -> None:
-        """`rank_addresses`: the KVTransfer servers of ranks 1..N-1 (rank 0's is this server, `address`);
-        `pair_address`: the pairing store of the torch_p2p transport."""
-        self.core, self.instance_id, self.address, self.rank_addresses = core, instance_id, address, rank_addresses
-        self.pair_address = pair_address
-        cache = core.engine.kv_cache[0][0]
+    def __init__(self, instance: "DecodeInstance") -> None:
+        self.instance, self.core = instance, instance.core
+        cache = self.core.engine.kv_cache[0][0]
         self.block_size, self.dtype = cache.shape[1], cache.dtype
-        cfg, tp = core.engine.model_config, core.engine.parallel.tp
+        cfg, tp = self.core.engine.model_config, self.core.engine.parallel.tp
         self.head_ranges = [head_shard(cfg, tp, r).kv_heads for r in range(tp)]
 
     def Reserve(self, request, context):
         with server_span(context, "decode.reserve", request_id=request.request_id,
                          prompt_tokens=len(request.prompt_token_ids)):
-            params = _sampling(request.sampling, context)
-            transport = request.transport or internal_pb2.KV_TRANSPORT_GRPC_STREAM
-            if transport == internal_pb2.KV_TRANSPORT_GRPC_STREAM:
-                addresses = [self.address, *self.rank_addresses]
-            elif transport == internal_pb2.KV_TRANSPORT_TORCH_P2P and self.pair_address:
-                addresses = [self.pair_address] * (1 + len(self.rank_addresses))
-            else:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "transport must be KV_TRANSPORT_GRPC_STREAM or "
-                              "KV_TRANSPORT_TORCH_P2P (CPU caches only), got "
-                              f"{internal_pb2.KVTransport.Name(transport)}")
-            table, cached = _run(context, lambda: self.core.reserve(request.request_id, list(request.prompt_token_ids),
-                                                                     params))
+            self.instance.admit()
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            transport = transports.by_wire(request.transport or internal_pb2.KV_TRANSPORT_GRPC_STREAM)
+            addresses = self.instance.kv_endpoints.get(transport.name)
+            if addresses is None:
+                raise Unsupported(f"transport {transport.name} needs CPU KV caches; this instance offers "
+                                  f"{', '.join(self.instance.kv_endpoints)}")
+            table, cached = self.core.reserve(request.request_id, list(request.prompt_token_ids), params)
             return internal_pb2.ReserveResponse(target=internal_pb2.KVTarget(
-                decode_id=self.instance_id, transport=transport, addresses=addresses,
-                head_ranges=[internal_pb2.HeadRange(start=a, end=b) for a, b in self.head_ranges], block_size=self.block_size,
-                block_table=list(table), first_token=cached, dtype=DTYPES[self.dtype]))
+                decode_id=self.instance.id, transport=transport.wire, addresses=addresses,
+                head_ranges=[internal_pb2.HeadRange(start=a, end=b) for a, b in self.head_ranges],
+                block_size=self.block_size, block_table=list(table), first_token=cached, dtype=WIRE_DTYPES[self.dtype]))
 
     def Decode(self, request, context):
         rid = request.request_id
         with server_span(context, "decode.request", request_id=rid, prefill_locally=request.prefill_locally) as span:
             if request.prefill_locally:
-                params = _sampling(request.sampling, context)
-                stream = _run(context, lambda: self.core.generate(rid, list(request.prompt_token_ids), params))
-            else:
+                self.instance.admit()
+                params = SamplingParams(**sampling_kwargs(request.sampling))
+                stream = self.core.generate(rid, list(request.prompt_token_ids), params)
+            else:  # a reservation made before: in-flight work, admitted even while draining
                 ready = request.kv_status == internal_pb2.KV_STATUS_READY
-                stream = _run(context, lambda: self.core.join(rid, request.first_token_id if ready else None))
+                stream = self.core.join(rid, request.first_token_id if ready else None)
             finished = threading.Event()
             context.add_callback(lambda: finished.is_set() or self.core.cancel(rid))  # client gone: free its blocks
             tokens = 0
@@ -88,9 +82,9 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                     event = stream.get(timeout=EVENT_TIMEOUT_S)
                 except queue.Empty:
                     self.core.cancel(rid)
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {EVENT_TIMEOUT_S} s")
+                    raise DeadlineExceeded(f"no token for {EVENT_TIMEOUT_S} s") from None
                 if event.error:  # the instance failed, not the request: another instance may serve it
-                    context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+                    raise event.error
                 tokens += len(event.token_ids)
                 if event.token_ids or event.text:
                     yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(
@@ -108,89 +102,59 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))
 
 
-class AdminService(internal_pb2_grpc.AdminServicer):
-    def __init__(self, core: DecodeCore, info: InstanceInfo) -> None:
-        self.core, self.info = core, info
+class DecodeInstance(Instance):
+    """A decode instance: TP ranks with an engine thread, KV endpoints, the gRPC shell."""
 
-    def Status(self, request, context):
-        return internal_pb2.InstanceStatus(
-            id=self.info.id, role=common_pb2.ROLE_DECODE, address=self.info.address, pid=self.info.pid,
-            model=self.info.model, parallel=common_pb2.ParallelLayout(**self.info.parallel),
-            state=common_pb2.INSTANCE_STATE_DRAINING if self.core.draining or self.core.failed
-            else common_pb2.INSTANCE_STATE_SERVING,
-            **self.core.status())
+    role = Role.DECODE
 
-
-def _sampling(message, context) -> SamplingParams:
-    try:
-        return SamplingParams(**sampling_kwargs(message))
-    except ValueError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-
-
-def _run(context, fn):
-    try:
-        return fn()
-    except RequestError as e:
-        message = str(e)
-        if "free blocks" in message:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        if "no reservation" in message:
-            context.abort(grpc.StatusCode.NOT_FOUND, message)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-    except RuntimeError as e:  # draining or stopped
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-
-
-class DecodeInstance:
-    """A running decode instance: engine thread, gRPC server, registry heartbeat. `stop()` is safe twice."""
-
-    def __init__(self, settings: DecodeSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
-        self.settings = s = settings
-        self.id = instance_id or f"decode-{uuid.uuid4().hex[:8]}"
-        config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
-                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
-        self.pairs = PairHost(s.host) if config.device == "cpu" else None  # torch_p2p runs over gloo
-        pair_address = self.pairs.address if self.pairs else ""
+    def __init__(self, settings: DecodeSettings, instance_id: str | None = None,
+                 registry: Registry | None = None) -> None:
+        super().__init__(settings, instance_id, registry)
+        s = settings
+        self._check_block_size()
+        config = EngineConfig.from_settings(s)
+        offered = [t for t in transports.TRANSPORTS if t.usable(config.device)]
+        self.shared = {t.name: t.load().shared(s.host) for t in offered}  # hosted here for every rank
+        shared = {name: obj.address if obj else None for name, obj in self.shared.items()}
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = functools.partial(accept_kv, pair_address=pair_address, ranks=s.tp) if s.tp > 1 else None
+        followers = functools.partial(accept_kv, host=s.host, ranks=s.tp, shared=shared) if s.tp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(tp=s.tp, experts=experts), attach=followers)
+                            ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers)
         store = engine.executor.store if s.tp > 1 else None
-        rank_addresses = [store.get(f"kv-address/{r}").decode() for r in range(1, s.tp)] if store else []
-        self.core = DecodeCore(engine, shared_store=store).start()
+        self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail()).start()
+        self.links = rpc.Links(s.host)
         receiver = KVReceiver(engine.kv_cache, self.core.reservations.get, self.core.kv_lock)
-        self.pair_listener = PairListener(pair_address, 0, s.tp, receiver) if self.pairs else None
-        decode = DecodeService(self.core, self.id, address="", rank_addresses=rank_addresses, pair_address=pair_address)
-        self.info = InstanceInfo(id=self.id, role=Role.DECODE, address="", pid=os.getpid(), model=s.model,
-                                 parallel={"tp": s.tp, "cp": 1, "ep": 1}, state=InstanceState.SERVING)
-        admin = AdminService(self.core, self.info)
-        self.server, port, self.health = rpc.start_server(s.host, s.port, [
-            (internal_pb2_grpc.add_DecodeServicer_to_server, decode, "infermesh.v1.Decode"),
-            (internal_pb2_grpc.add_KVTransferServicer_to_server, KVTransferService(receiver), "infermesh.v1.KVTransfer"),
-            (internal_pb2_grpc.add_AdminServicer_to_server, admin, "infermesh.v1.Admin"),
-        ])
-        self.address = decode.address = f"{s.host}:{port}"
-        self.info = admin.info = dataclasses.replace(self.info, address=self.address)
-        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s,
-                                   block_hashes=self.core.cached_block_hashes)
-        self._stopped = False
+        self.endpoints = open_endpoints(0, s.tp, receiver, self.links, shared)
+        self.kv_endpoints = {name: [e.address, *(store.get(endpoint_key(name, r)).decode() for r in range(1, s.tp))]
+                             for name, e in self.endpoints.items()}  # per transport: every rank's endpoint
+        self.serve([(internal_pb2_grpc.add_DecodeServicer_to_server, DecodeService(self), "infermesh.v1.Decode")],
+                   block_hashes=self.core.cached_block_hashes)
 
-    def _record(self) -> InstanceInfo:
-        state = InstanceState.DRAINING if self.core.draining or self.core.failed else InstanceState.SERVING
-        return dataclasses.replace(self.info, state=state, **self.core.status())
-
-    def stop(self) -> None:
-        if self._stopped:
+    def _check_block_size(self) -> None:
+        try:
+            others = {d.block_size for d in self.registry.instances(Role.DECODE) if d.block_size}
+        except Exception:  # the registry is unreachable now: nothing to compare with (the heartbeat retries)
             return
-        self._stopped = True
-        self.heartbeat.stop()
-        self.server.stop(grace=None)
-        if self.pair_listener:
-            self.pair_listener.stop()
-        self.core.stop()  # stops the follower ranks and their listeners
-        self.pairs = None  # closes the pairing store
+        if others - {self.settings.block_size}:
+            raise ValueError(f"block_size={self.settings.block_size} differs from the registered decode instances' "
+                             f"({', '.join(map(str, sorted(others)))}): every decode instance of a mesh uses one")
+
+    def describe(self) -> dict:
+        s = self.settings
+        return {"parallel": {"tp": s.tp, "cp": 1, "ep": 1}, "block_size": s.block_size, **self.core.status()}
+
+    def in_flight(self) -> int:
+        return self.core.in_flight
+
+    def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.stop()
+        self.core.stop()  # stops the follower ranks and their endpoints
+        self.links.close()
+        for shared in self.shared.values():
+            if shared is not None:
+                shared.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,16 +1,19 @@
 """infermesh's engine: model math, paged KV cache, continuous batching, sampling.
 
 Imports nothing of the services (no grpc, redis or opentelemetry). The public names
-below load lazily, so `import engine.tokenizer` (the router's only need) stays
-free of torch.
+below load lazily. What a router needs stays free of torch: the tokenizer
+(`engine.tokenizer`), sampling-parameter checks (`engine.sampling_params`), model
+config and tokenizer without weights (`engine.model_info`), prefix hashes
+(`engine.block_manager`) and the error types (`engine.errors`).
 """
 
 from importlib import import_module
 
 _EXPORTS = {
     "LLM": "engine.llm", "Completion": "engine.llm", "CompletionDelta": "engine.llm",
-    "EngineConfig": "engine.core", "EngineCore": "engine.core", "RequestError": "engine.core",
-    "StepOutput": "engine.core", "SamplingParams": "engine.sampler", "SamplingParamsError": "engine.sampler",
+    "EngineConfig": "engine.core", "EngineCore": "engine.core", "RequestError": "engine.errors",
+    "StepOutput": "engine.core", "SamplingParams": "engine.sampling_params",
+    "SamplingParamsError": "engine.sampling_params",
 }
 __all__ = list(_EXPORTS)
 

@@ -52,7 +52,8 @@ def build_metadata(
     tables = mask = lens = None
     if num_decode:
         width = max(len(t) for t in decode_block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_block_tables], dtype=torch.long, device=device)
+        padded = [t + [0] * (width - len(t)) for t in decode_block_tables]
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
         lens = torch.tensor(decode_context_lens, dtype=torch.int32, device=device)
         mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
     spans, start = [], num_decode

@@ -5,47 +5,36 @@ append tokens, detokenize, check stop conditions -> report. It is single-threade
 a service drives it from one thread and feeds requests in between steps.
 
 Requests are validated on `add_request` (`RequestError` names the field and the
-limit). A finished or aborted request frees its KV blocks at once.
+limit). A finished or aborted request frees its KV blocks at once. Prompts whose
+KV comes from or goes to another instance (reserve / join / recompute, KV sinks)
+go through `engine.handoff`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from engine.block_manager import BlockManager
+from engine.errors import KVCacheFull, NoReservation, RequestError
+from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.executor import ParallelExecutor
+from engine.parallel.parallelize import build_runner
 from engine.parallel.tp import max_kv_heads_per_rank
-from engine.runner import build_runner
-from engine.sampler import SamplingParams, TokenLogprobs, sample
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_plan import plan_step
 from engine.tokenizer import IncrementalDetokenizer
 from engine.weights import Checkpoint
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KVSink(Protocol):
-    """Takes a request's prompt KV layer by layer, during the step that completes the prompt.
-
-    `push_layer` must copy or send what it needs before returning: the blocks may be
-    reused once the request finishes. On a context-parallel instance this sink gets rank 0's share;
-    the other ranks push theirs from their `attach` hook, driven by `StepPlan.pushes`."""
-
-    def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
-                   stored: torch.Tensor | None) -> None:
-        """`stored`: this rank's slot mask [slots] (a context-parallel rank stores some tokens), None = all."""
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the field and the limit."""
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,14 +50,20 @@ class EngineConfig:
     seed: int | None = None  # for requests without a seed of their own
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES_BY_NAME:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES_BY_NAME[self.dtype]
+
+    @classmethod
+    def from_settings(cls, settings) -> "EngineConfig":
+        """The fields of a service's settings that an EngineConfig has (they share the names)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in names})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +83,8 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
-                 parallel: ParallelConfig = ParallelConfig(), attach=None) -> None:
-        """`attach(rank, store, runner) -> before_step(plan)`: run by ranks 1..N-1 of a parallel instance once
+                 parallel: ParallelConfig = ParallelConfig(), follower_hook=None) -> None:
+        """`follower_hook(rank, store, runner) -> before_step(plan)`: run by ranks 1..N-1 of a parallel instance once
         their model is built (an importable function; a service uses it to accept pushed KV on every rank)."""
         self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
@@ -103,13 +98,14 @@ class EngineCore:
         if parallel.world_size == 1:
             self.executor = build_runner(checkpoint, connect(None, 0, parallel), **layout)
         else:
-            self.executor = ParallelExecutor(checkpoint, parallel, attach=attach, **layout)
+            self.executor = ParallelExecutor(checkpoint, parallel, follower_hook=follower_hook, **layout)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
             self.blocks,
         )
-        self.max_model_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len, num_blocks * config.block_size)
+        self.max_model_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len,
+                                 num_blocks * config.block_size)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -121,8 +117,7 @@ class EngineCore:
         else:
             self._generator.seed()
         self._seeded: dict[str, torch.Generator] = {}
-        self._sinks: dict[str, KVSink] = {}
-        self._ended_reservations: list[str] = []
+        self.handoff = KVHandoff(self.scheduler, self.blocks)
         self.last_cp_choices: dict = {}  # request id -> CPChoice of its prefill chunk in the last step (cp > 1)
 
     # ---- requests -----------------------------------------------------------------
@@ -134,7 +129,7 @@ class EngineCore:
             raise ValueError("pushing KV out of a tensor-parallel instance is not supported (prefill uses cp)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if kv_sink is not None:
-            self._sinks[request_id] = kv_sink
+            self.handoff.sinks[request_id] = kv_sink
         self.scheduler.add(seq)
         return seq
 
@@ -142,17 +137,17 @@ class EngineCore:
         """Hold KV blocks for a prompt that another instance prefills; `join` or `recompute` it next.
         The sequence's `block_table` says where the KV goes; `num_cached_prompt_tokens` is already here."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        if not self.scheduler.reserve(seq):
+        try:
+            self.handoff.reserve(seq)
+        except KVCacheFull:
             self._forget(request_id)
-            need = self.blocks.blocks_for(len(prompt_token_ids))
-            raise RequestError(f"KV cache has {self.blocks.num_free_blocks} free blocks; the prompt needs {need}")
+            raise
         return seq
 
     def join(self, request_id: str, first_token: int) -> StepOutput:
         """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance."""
         seq = self._reserved(request_id)
-        self._ended_reservations.append(request_id)
-        self.scheduler.join(seq)
+        self.handoff.join(seq)
         seeded = self._seeded.get(request_id)
         if seeded is not None and not seq.params.greedy:
             torch.rand((), generator=seeded)  # the prefill instance drew the first token: stay in step with one engine
@@ -160,11 +155,7 @@ class EngineCore:
 
     def recompute(self, request_id: str) -> None:
         """The KV transfer failed: prefill the reserved request here instead."""
-        seq = self._reserved(request_id)
-        self._ended_reservations.append(request_id)
-        self.scheduler.finish(seq, FinishReason.ABORT)  # frees the reserved blocks
-        seq.finish_reason, seq.num_cached_prompt_tokens = None, 0
-        self.scheduler.add(seq)
+        self.handoff.recompute(self._reserved(request_id))
 
     @property
     def kv_cache(self):
@@ -174,7 +165,7 @@ class EngineCore:
     def _reserved(self, request_id: str) -> Sequence:
         seq = self._sequences.get(request_id)
         if seq is None or seq.status is not SequenceStatus.RESERVED:
-            raise RequestError(f"request_id {request_id!r} has no reservation")
+            raise NoReservation(f"request_id {request_id!r} has no reservation")
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -203,8 +194,7 @@ class EngineCore:
         seq = self._sequences.get(request_id)
         if seq is None:
             return False
-        if seq.status is SequenceStatus.RESERVED:
-            self._ended_reservations.append(request_id)
+        self.handoff.aborting(seq)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._forget(request_id)
         return True
@@ -235,24 +225,13 @@ class EngineCore:
 
     def run_model(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """The sampling chunks and their logits [len(sampling), V], row for row."""
-        plan, ordered = plan_step(chunks, self.config.block_size, tuple(self._ended_reservations),
-                                  frozenset(self._sinks))
-        self._ended_reservations.clear()
-        pushing = [(self._sinks[rid], plan.chunks[i].block_table) for i, rid in plan.pushes]
-        logits = self.executor.execute(plan, self._pusher(pushing) if pushing else None)
+        plan, ordered = plan_step(chunks, self.config.block_size, self.handoff.take_ended(),
+                                  frozenset(self.handoff.sinks))
+        logits = self.executor.execute(plan, self.handoff.pusher(plan, self.kv_cache, self.executor.stored_slots))
         choices = self.executor.last_choices
         self.last_cp_choices = {c.seq.request_id: choice for c, choice in zip(
             (c for c in ordered if c.num_tokens > 1), choices)}
         return [ordered[i] for i in plan.sampling_indices], logits
-
-    def _pusher(self, pushing: list[tuple[KVSink, tuple[int, ...]]]):
-        kv_cache, stored = self.kv_cache, self.executor.stored_slots
-
-        def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
-            for sink, table in pushing:
-                sink.push_layer(layer, *kv_cache[layer], table, stored)
-
-        return on_layer
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
         params = seq.params
@@ -281,7 +260,7 @@ class EngineCore:
         return StepOutput(seq.request_id, [token], seq.text[emitted:upto], reason, [logprob] if logprob else [])
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._sequences, self._detokenizers, self._emitted, self._seeded, self._sinks):
+        for table in (self._sequences, self._detokenizers, self._emitted, self._seeded, self.handoff.sinks):
             table.pop(request_id, None)
 
 

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
-from engine.core import EngineConfig, EngineCore, RequestError
+from engine.core import EngineConfig, EngineCore
+from engine.errors import RequestError
+from engine.model_info import DEFAULT_MODEL
 from engine.parallel.context import ExpertAttachment, ParallelConfig
-from engine.sampler import SamplingParams, TokenLogprobs
-from engine.weights import DEFAULT_MODEL, load_checkpoint
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.weights import load_checkpoint
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]
@@ -60,7 +62,8 @@ class CompletionDelta:
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
-                 tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto", experts: ExpertAttachment | None = None,
+                 tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto",
+                 experts: ExpertAttachment | None = None,
                  **engine_options) -> None:
         """`experts`: run the MoE experts on an expert instance's ranks (see engine.parallel.expert_attach)."""
         config = EngineConfig(dtype=dtype, device=device, **engine_options)

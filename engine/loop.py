@@ -2,11 +2,12 @@
 
 The loop thread owns the engine. It runs queued commands (`call(fn)` runs `fn`
 there between steps and returns its result or raises its exception in the
-caller's thread), then one engine step, handing every output to `on_output`; it
-sleeps on the command queue while the engine has nothing to do. `stop()` ends
-the loop, runs `on_stop` there last (to abort what is unfinished), and is safe
-to call twice. If a step raises, the loop stops: `on_failure(error)` runs (to
-fail the requests waiting on it) and every later `call` raises.
+caller's thread; `submit(fn)` returns its future instead), then one engine step,
+handing every output to `on_output`; it sleeps on the command queue while the
+engine has nothing to do. `stop()` ends the loop, runs `on_stop` there last (to
+abort what is unfinished), and is safe to call twice. If a step raises, the loop
+stops: `on_failure(error)` runs (to fail the requests waiting on it) and every
+later `call` raises `PeerFailed`; after `stop()` it raises `Draining`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from engine.core import EngineCore, StepOutput
+from engine.errors import Draining, PeerFailed
 
 
 class EngineLoop:
@@ -34,11 +36,15 @@ class EngineLoop:
 
     def call(self, fn: Callable):
         """Run `fn()` on the loop thread between steps; its result, or its exception raised here."""
+        return self.submit(fn).result()
+
+    def submit(self, fn: Callable) -> Future:
+        """Queue `fn()` to run on the loop thread between steps; its future."""
         if self._stopped.is_set():
-            raise RuntimeError(f"the engine loop has stopped{f': {self.error!r}' if self.error else ''}")
+            raise self._stopped_error()
         done: Future = Future()
         self._commands.put((fn, done))
-        return done.result()
+        return done
 
     def stop(self, on_stop: Callable[[], None] | None = None) -> None:
         """End the loop; `on_stop` runs on the loop thread last (to abort what is left)."""
@@ -88,4 +94,9 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item:
-                item[1].set_exception(RuntimeError(f"the engine loop has stopped: {error!r}"))
+                item[1].set_exception(self._stopped_error())
+
+    def _stopped_error(self) -> Exception:
+        if self.error is not None:
+            return PeerFailed(f"the engine failed: {self.error!r}")
+        return Draining("the engine has stopped")

@@ -108,7 +108,8 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()  # [N, V]
 
 
-def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> Transformer:
+def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor],
+                device: torch.device | str = "cpu") -> Transformer:
     """Construct without allocating, then adopt the checkpoint's tensors (no copy on CPU)."""
     try:
         state = engine_state_dict(cfg, hf_weights)

@@ -13,20 +13,17 @@ from typing import Callable
 import torch
 
 from engine.attention import build_metadata
-from engine.kv_cache import KVCache, allocate_kv_cache
-from engine.model import Transformer, build_model
-from engine.parallel.context import ParallelContext
-from engine.parallel.parallelize import parallelize
+from engine.kv_cache import KVCache
+from engine.model import Transformer
 from engine.step_plan import StepPlan
-from engine.weights import Checkpoint, WeightsError
 
 
 class ModelRunner:
+    stored_slots: torch.Tensor | None = None  # slot mask of the tokens this rank stores; None = every slot
+
     def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-
-    stored_slots: torch.Tensor | None = None  # slot mask of the tokens this rank stores; None = every slot
-    last_choices: list = []  # pass-KV/pass-Q choice per prefill chunk of the last step (context parallel only)
+        self.last_choices: list = []  # pass-KV/pass-Q choice per prefill chunk of the last step (context parallel)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -71,20 +68,3 @@ def after_each_layer(model: Transformer, on_layer: Callable[[int], None] | None)
     finally:
         for hook in hooks:
             hook.remove()
-
-
-def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
-                 num_blocks: int) -> ModelRunner:
-    """This rank's model (sharded for `ctx`) and KV cache (its KV heads only)."""
-    try:
-        model = build_model(checkpoint.config, checkpoint.weights, device)
-    except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
-        raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
-    parallelize(model, ctx)
-    kv_heads = model.layers[0].self_attn.num_kv_heads
-    kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)
-    if ctx.config.cp > 1:
-        from engine.parallel.cp_runner import ContextParallelRunner  # it builds on this module
-
-        return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
-    return ModelRunner(model, kv_cache, block_size, torch.device(device))

@@ -1,4 +1,4 @@
-"""Sampling parameters and batched sampling.
+"""Batched sampling (the parameters a request gives are `engine.sampling_params`).
 
 Each row of a step's logits belongs to one sequence with its own `SamplingParams`.
 Greedy rows take the argmax. Other rows are scaled by temperature, filtered by
@@ -12,54 +12,11 @@ filtering), computed only for rows that ask for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-
-class SamplingParamsError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # also return this many top alternatives per token
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise SamplingParamsError("stop strings must not be empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = field(default=())  # (token id, logprob), best first
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 def sample(
@@ -89,7 +46,8 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     top_ks = [p.top_k for p in params]
     if any(top_ks):
         k = torch.tensor([k if k else logits.shape[-1] for k in top_ks], device=logits.device)
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[-1] - 1)[:, None])
+        ranks = (k - 1).clamp(max=logits.shape[-1] - 1)[:, None]  # [R, 1]
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, ranks)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     top_ps = torch.tensor([p.top_p for p in params], device=logits.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampler import SamplingParams, TokenLogprobs
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):

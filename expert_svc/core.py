@@ -18,7 +18,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from engine.core import DTYPES
+from engine.core import DTYPES_BY_NAME
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
@@ -111,7 +111,7 @@ class ExpertRank:
 
 def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str) -> None:
     """An expert follower rank: its share of the experts, served to every attachment until the instance stops."""
-    checkpoint = load_checkpoint(source, DTYPES[dtype])
+    checkpoint = load_checkpoint(source, DTYPES_BY_NAME[dtype])
     store.set(f"ready/{rank}", "1")
     connect(store, rank, config, timeout=timeout)
     plans = plan_group(store, rank, config.world_size)

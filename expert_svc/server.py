@@ -1,39 +1,38 @@
-"""The gRPC shell of an expert instance: Expert (Attach, Detach), Admin status (placement, tokens per expert
-and layer, attached instances), health and reflection; registered with role `expert` and its rendezvous.
+"""The gRPC shell of an expert instance: Expert (Attach, Detach) and an Admin status that adds the placement,
+tokens per expert and layer, and the attached instances; the shared lifecycle, health and registry
+record (role `expert`, with its rendezvous) of `mesh.instance`.
 
     python -m expert_svc.server --port 0 --model PATH --ep 2 [--registry ...]
 
 Its EP ranks (this process and ep-1 children) each hold a contiguous share of every MoE layer's
 experts. Attach: the caller gets a group name on the rendezvous store; every rank of the caller joins
 it, then the expert ranks, and every MoE layer of every step exchanges tokens over it. A model other
-than this instance's -> FAILED_PRECONDITION; ranks < 1 -> INVALID_ARGUMENT.
+than this instance's -> FAILED_PRECONDITION; ranks < 1 -> INVALID_ARGUMENT; draining -> UNAVAILABLE.
+Its in-flight work is its attachments: a drain waits for the attached instances to leave.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import uuid
 
-import grpc
 import torch
 from opentelemetry.metrics import Observation
 
-from engine.core import DTYPES
+from engine.core import DTYPES_BY_NAME
+from engine.errors import RequestError, Unsupported
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig
 from engine.parallel.expert_attach import ExpertShard
 from engine.parallel.launcher import RankGroup
 from engine.weights import load_checkpoint
 from expert_svc.core import AttachmentBook, ExpertRank, follow
-from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.registry.remote import to_message
-from mesh.service import Heartbeat, serve
+from mesh.instance import Instance
+from mesh.registry import Registry, Role
+from mesh.service import serve
 from mesh.settings import ExpertSettings
 from mesh.telemetry import setup_metrics
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
 
 class ExpertService(internal_pb2_grpc.ExpertServicer):
     def __init__(self, instance: "ExpertInstance") -> None:
@@ -41,13 +40,13 @@ class ExpertService(internal_pb2_grpc.ExpertServicer):
 
     def Attach(self, request, context):
         inst = self.instance
+        inst.admit()
         if request.model != inst.settings.model:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"model {request.model!r} is not this expert instance's model {inst.settings.model!r}")
+            raise Unsupported(f"model {request.model!r} is not this expert instance's model {inst.settings.model!r}")
         try:
             group = inst.book.attach(request.instance_id, request.ranks)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestError(str(e)) from None
         return internal_pb2.AttachResponse(rendezvous=inst.book.address, group=group,
                                            expert_ranks=inst.settings.ep, placement=inst.shard.placement)
 
@@ -55,51 +54,33 @@ class ExpertService(internal_pb2_grpc.ExpertServicer):
         return internal_pb2.DetachResponse(found=self.instance.book.detach(request.instance_id))
 
 
-class AdminService(internal_pb2_grpc.AdminServicer):
-    def __init__(self, instance: "ExpertInstance") -> None:
-        self.instance = instance
+class ExpertInstance(Instance):
+    """An expert instance: its EP ranks serving attachments, the gRPC shell."""
 
-    def Status(self, request, context):
-        inst = self.instance
-        status = to_message(inst.info)
-        for layer, tokens in enumerate(inst.load().tolist()):
-            status.expert_load.add(layer=layer, tokens=tokens)
-        status.attached[:] = inst.attached()
-        return status
+    role = Role.EXPERT
 
-
-class ExpertInstance:
-    """A running expert instance: its EP ranks, gRPC server, registry heartbeat. `stop()` is safe twice."""
-
-    def __init__(self, settings: ExpertSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
-        self.settings = s = settings
-        self.id = instance_id or f"expert-{uuid.uuid4().hex[:8]}"
+    def __init__(self, settings: ExpertSettings, instance_id: str | None = None,
+                 registry: Registry | None = None) -> None:
+        super().__init__(settings, instance_id, registry)
+        s = settings
         self.book = AttachmentBook(s.host)
-        checkpoint = load_checkpoint(s.model, DTYPES[s.dtype])
+        checkpoint = load_checkpoint(s.model, DTYPES_BY_NAME[s.dtype])
         self.shard = ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, s.ep)
         self.ranks = None
         if s.ep > 1:
-            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow, (str(checkpoint.source), s.dtype, self.book.address))
+            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow,
+                                   (str(checkpoint.source), s.dtype, self.book.address))
             try:
                 self.ranks.connect()
             except BaseException as e:
                 raise self.ranks.failure(e) from e
         self.rank = ExpertRank(self.shard, 0, s.ep, self.book.address)
-        self.server, port, self.health = rpc.start_server(s.host, s.port, [
-            (internal_pb2_grpc.add_ExpertServicer_to_server, ExpertService(self), "infermesh.v1.Expert"),
-            (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin"),
-        ])
-        self.address = f"{s.host}:{port}"
-        self.info = InstanceInfo(id=self.id, role=Role.EXPERT, address=self.address, pid=os.getpid(), model=s.model,
-                                 parallel={"tp": 1, "cp": 1, "ep": s.ep}, state=InstanceState.SERVING,
-                                 rendezvous=self.book.address, placement=self.shard.placement)
-        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
         self.meter_provider = setup_metrics(s.metrics, "expert", s.metrics_interval_s)
         if self.meter_provider:
             self.meter_provider.get_meter("infermesh").create_observable_counter(
                 "infermesh.expert.tokens", callbacks=[self._observe_tokens], unit="{token}",
                 description="Tokens each expert computed, per MoE layer (attributes: layer, expert)")
-        self._stopped = False
+        self.serve([(internal_pb2_grpc.add_ExpertServicer_to_server, ExpertService(self), "infermesh.v1.Expert")])
 
     def _observe_tokens(self, options):
         for layer, tokens in enumerate(self.load().tolist()):
@@ -121,15 +102,21 @@ class ExpertInstance:
         serving = set(self.rank.active)
         return sorted(i for i, a in self.book.by_instance.items() if a in serving)
 
-    def _record(self) -> InstanceInfo:
-        return dataclasses.replace(self.info, active_requests=len(self.attached()))
+    def describe(self) -> dict:
+        return {"parallel": {"tp": 1, "cp": 1, "ep": self.settings.ep}, "rendezvous": self.book.address,
+                "placement": self.shard.placement, "active_requests": len(self.attached())}
 
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        self.heartbeat.stop()
-        self.server.stop(grace=None)
+    def in_flight(self) -> int:
+        return len(self.attached())
+
+    def status(self) -> internal_pb2.InstanceStatus:
+        status = super().status()
+        for layer, tokens in enumerate(self.load().tolist()):
+            status.expert_load.add(layer=layer, tokens=tokens)
+        status.attached[:] = self.attached()
+        return status
+
+    def close(self) -> None:
         if self.meter_provider:
             self.meter_provider.shutdown()  # a last export, while the ranks can still report
         self.rank.stop()

@@ -1,13 +1,14 @@
-"""Process groups per prefill/decode instance pair, formed on demand: the torch.distributed transport's groups.
+"""The `torch_p2p` transport (`kvtransfer.transports`): process groups per prefill/decode instance pair,
+formed on demand, carrying `kvtransfer.torch_p2p` messages.
 
-A decode instance hosts a rendezvous store (`PairHost`, on rank 0; its address is the KV target's
-address for this transport) and every decode rank runs a `PairListener`. A prefill instance's rank 0
-claims the next pair number the first time it pushes to that decode instance (`PairDialer.claim`,
-writing `pair/<k>` = its rank count); the listeners see the key and join group `pair-<k>` as ranks
-`prefill_ranks + decode rank`, each then serving it with a `TorchP2PReceiver`. Every prefill rank joins
-as its CP rank when the step that pushes begins (`PairDialer.link(...).group`, called by the senders'
-`open`). Forming a group blocks until every rank of both instances has joined; it happens once per
-pair. A pair whose group fails (a peer died) is dropped on both sides and claimed anew next time.
+A decode instance hosts a rendezvous store (`shared` -> `PairHost`, on rank 0; its address is the KV
+target's address for this transport on every rank) and every decode rank runs a `PairListener`
+(`Endpoint`). A prefill instance's rank 0 claims the next pair number the first time it pushes to that
+decode instance (`Dialer.prepare`, writing `pair/<k>` = its rank count); the listeners see the key and
+join group `pair-<k>` as ranks `prefill_ranks + decode rank`, each then serving it with a
+`TorchP2PReceiver`. Every prefill rank joins as its CP rank when the step that pushes begins (the
+senders' `open`). Forming a group blocks until every rank of both instances has joined; it happens
+once per pair. A pair whose group fails (a peer died) is dropped on both sides and claimed anew next time.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import threading
 
 import torch.distributed as dist
 
-from engine.parallel.groups import IDLE, announcements, stateless_group  # IDLE: the decode side waits for the next transfer
-from kvtransfer.torch_p2p import TorchP2PReceiver
-from kvtransfer.transport import KVReceiver
+from engine.parallel.groups import (  # IDLE: the decode side waits for the next transfer
+    IDLE,
+    announcements,
+    stateless_group,
+)
+from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+from kvtransfer.transport import KVReceiver, KVSender
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a send or acknowledgement on the prefill side
 
@@ -30,11 +35,29 @@ def _client(address: str) -> dist.TCPStore:
 
 
 class PairHost:
-    """The decode instance's pairing store (rank 0); lives as long as the object."""
+    """The decode instance's pairing store (rank 0), until `close()`."""
 
     def __init__(self, host: str) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         self.address = f"{host}:{self.store.port}"
+
+    def close(self) -> None:
+        self.store = None  # the last reference: the store's server stops
+
+
+def shared(host: str) -> PairHost:
+    return PairHost(host)
+
+
+class Endpoint:
+    """A decode rank's side of every pair: listens on the shared pairing store."""
+
+    def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str) -> None:
+        self.address = shared_address
+        self.listener = PairListener(shared_address, rank, ranks, receiver)
+
+    def stop(self) -> None:
+        self.listener.stop()
 
 
 class PairListener:
@@ -93,14 +116,25 @@ class PairLink:
             return self._group
 
 
-class PairDialer:
+class Dialer:
     """One prefill rank's pairs, by decode pairing address."""
 
-    def __init__(self, rank: int, ranks: int) -> None:
+    def __init__(self, rank: int, ranks: int, links=None) -> None:
         self.rank, self.ranks = rank, ranks
         self._claims: dict[str, int] = {}
         self._links: dict[tuple[str, int], PairLink] = {}
         self._lock = threading.Lock()
+
+    def prepare(self, addresses: tuple[str, ...]) -> int:
+        """Rank 0: the pair with the decode instance (every address is its pairing store)."""
+        return self.claim(addresses[0])
+
+    def senders(self, addresses: tuple[str, ...], link: int, request_id: str, timeout_s: float) -> list[KVSender]:
+        pair = self.link(addresses[0], link, len(addresses))
+        return [TorchP2PSender(pair.group, request_id, self.ranks + r, pair.lock) for r in range(len(addresses))]
+
+    def close(self) -> None:
+        pass  # groups end with the process, or when a peer fails
 
     def claim(self, address: str) -> int:
         """Rank 0: this instance's pair number with the decode instance at `address` (claimed once)."""

@@ -44,7 +44,8 @@ class PlanSink:
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for piece in self.pieces:
             rows, heads = slice(piece.src_slot, piece.src_slot + piece.num_tokens), slice(*piece.heads)
-            self.senders[piece.dst_rank].send(layer, piece, keys_all[rows, heads].clone(), values_all[rows, heads].clone())
+            keys, values = keys_all[rows, heads].clone(), values_all[rows, heads].clone()
+            self.senders[piece.dst_rank].send(layer, piece, keys, values)
         for sender in self.senders:
             try:
                 sender.flush()

@@ -2,11 +2,12 @@
 (gloo on CPU; NCCL on GPUs, which is the NVLink / InfiniBand RDMA path).
 
 Group ranks: the prefill instance's ranks first, then the decode instance's. Per
-(request, source rank, destination rank), every layer is one message: a
-descriptor (tag 1), a header naming the request and the pieces' destination
-slots (tag 2), and one payload holding keys and values of all the layer's pieces
-(tag 3). A final END descriptor asks for the acknowledgement (tag 4): status and
-bytes written, then the reason when a piece was refused.
+(request, source rank, destination rank), every layer is one DATA message: a
+descriptor (tag 1: kind, sizes, dtype), a header with the layer, the pieces'
+destination slots and the request id (tag 2), and one payload holding keys and
+values of all the layer's pieces (tag 3). A final END message (descriptor, then a
+header holding only the request id's length and bytes) asks for the acknowledgement (tag 4): status
+and bytes written, then the reason when a piece was refused.
 
 A sender's messages are atomic on its group: senders of one process share the
 group's `lock` (the engine step and a finishing thread may send at once), and
@@ -22,30 +23,42 @@ receive, so CUDA caches would need one receive loop per source rank (not built).
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 
+from engine.errors import NoReservation
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 
 TAG_DESCRIPTOR, TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3, 4
-DATA, END = 0, 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
-def _header(request_id: str, layer: int, slots: list[tuple[int, int]]) -> torch.Tensor:
-    name = list(request_id.encode())
-    return torch.tensor([layer, len(slots), len(name), *(x for pair in slots for x in pair), *name], dtype=torch.long)
+class Kind(enum.IntEnum):
+    DATA = 0  # one layer's pieces
+    END = 1  # the request's last message: acknowledge it
 
 
-def _parse_header(header: torch.Tensor) -> tuple[str, int, list[tuple[int, int]]]:
+def _data_header(request_id: str, layer: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """[layer, runs, (first slot, tokens) per run, request id bytes]."""
+    return torch.tensor([layer, len(runs), *(x for run in runs for x in run), *request_id.encode()], dtype=torch.long)
+
+
+def _parse_data_header(header: torch.Tensor) -> tuple[str, int, list[tuple[int, int]]]:
     values = header.tolist()
-    layer, count, name_len = values[:3]
-    pairs = values[3:3 + 2 * count]
-    return bytes(values[3 + 2 * count:3 + 2 * count + name_len]).decode(), layer, list(zip(pairs[::2], pairs[1::2]))
+    layer, count = values[:2]
+    pairs = values[2:2 + 2 * count]
+    return bytes(values[2 + 2 * count:]).decode(), layer, list(zip(pairs[::2], pairs[1::2]))
+
+
+def _end_header(request_id: str) -> torch.Tensor:
+    """[request id length, request id bytes] (never empty)."""
+    name = request_id.encode()
+    return torch.tensor([len(name), *name], dtype=torch.long)
 
 
 class TorchP2PSender(KVSender):
@@ -62,13 +75,14 @@ class TorchP2PSender(KVSender):
         return self._group
 
     def _open(self) -> None:
-        self.group
+        self._group = self.group  # joins the group now, on every source rank
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         with self.lock:  # one message at a time on this group from this process
-            self._exchange(DATA, _header(self.request_id, layer, runs), torch.stack([keys, values]))  # [2, N, H, D]
+            self._exchange(Kind.DATA, _data_header(self.request_id, layer, runs),
+                           torch.stack([keys, values]))  # [2, N, H, D]
 
-    def _exchange(self, kind: int, header: torch.Tensor, payload: torch.Tensor | None) -> None:
+    def _exchange(self, kind: Kind, header: torch.Tensor, payload: torch.Tensor | None) -> None:
         heads, head_dim = (payload.shape[2], payload.shape[3]) if payload is not None else (0, 0)
         dtype = DTYPE_CODES[payload.dtype] if payload is not None else 0
         descriptor = torch.tensor([kind, header.numel(), 0 if payload is None else payload.shape[1], dtype, heads,
@@ -87,7 +101,7 @@ class TorchP2PSender(KVSender):
             self._end()
 
     def _end(self) -> None:
-        self._exchange(END, _header(self.request_id, -1, []), None)
+        self._exchange(Kind.END, _end_header(self.request_id), None)
         ack = torch.zeros(3, dtype=torch.long)  # status, bytes, reason length
         try:
             self.group.recv([ack], self.dst, TAG_ACK).wait()
@@ -138,9 +152,9 @@ class TorchP2PReceiver:
         kind, header_len, num_tokens, dtype, heads, head_dim = descriptor.tolist()
         header = torch.zeros(header_len, dtype=torch.long)
         self.group.recv([header], source, TAG_HEADER).wait()
-        request_id, layer, slots = _parse_header(header)
-        key = (source, request_id)
-        if kind == DATA:
+        if kind == Kind.DATA:
+            request_id, layer, slots = _parse_data_header(header)
+            key = (source, request_id)
             payload = torch.zeros((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
             self.group.recv([payload], source, TAG_PAYLOAD).wait()
             row = 0
@@ -149,10 +163,11 @@ class TorchP2PReceiver:
                     try:
                         self._written[key] = self._written.get(key, 0) + self.receiver.write(
                             request_id, layer, slot, payload[0, row:row + n], payload[1, row:row + n])
-                    except PieceRejected as e:
+                    except (PieceRejected, NoReservation) as e:
                         self._refused[key] = str(e)
                 row += n
             return
+        key = (source, bytes(header.tolist()[1:]).decode())
         reason = self._refused.pop(key, "").encode()
         written = self._written.pop(key, 0)
         self.group.send([torch.tensor([1 if reason else 0, written, len(reason)])], source, TAG_ACK).wait()

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from engine.errors import NoReservation, RequestError
 from kvtransfer.plan import Piece
 
 
@@ -37,8 +38,9 @@ class TransferError(RuntimeError):
     """A transfer failed; decode falls back to recomputing the prompt."""
 
 
-class PieceRejected(ValueError):
-    """A piece the receiver refuses: unknown request, out of its blocks, wrong shape or dtype."""
+class PieceRejected(RequestError):
+    """A piece the receiver refuses: out of its request's blocks, wrong layer, shape or dtype (a request
+    without a reservation here is `NoReservation`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ class KVReceiver:
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
             table = self.reserved(request_id)
             if table is None:
-                raise PieceRejected(f"request {request_id!r} has no KV reservation here")
+                raise NoReservation(f"request {request_id!r} has no KV reservation here")
             if n < 1 or block not in table or offset + n > self.block_size:
                 raise PieceRejected(f"slots [{dst_slot}, {dst_slot + n}) are not inside one block reserved for "
                                     f"{request_id!r}")
@@ -107,7 +109,7 @@ class KVSender(abc.ABC):
         except Exception as e:
             self._fail(e)
 
-    def _open(self) -> None:
+    def _open(self) -> None:  # noqa: B027 - most transports need nothing before the first layer
         pass
 
     def _fail(self, error: Exception) -> TransferError:

@@ -18,7 +18,8 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="infermesh: serve LLMs as a mesh of disaggregated roles.")
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="infermesh: serve LLMs as a mesh of disaggregated roles.")
 
 
 @app.callback()
@@ -47,7 +48,8 @@ def generate(
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
     cp_method: str = typer.Option("auto", help="auto | pass_kv | pass_q: how CP prefill attends."),
-    target: Optional[str] = typer.Option(None, help="HOST:PORT of a running mesh's router (else: run the engine here)."),
+    target: Optional[str] = typer.Option(None,
+                                         help="HOST:PORT of a running mesh's router (else: run the engine here)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object with ids, usage and timings last."),
 ) -> None:
     """Generate text for PROMPT, streaming it as it is produced."""
@@ -59,7 +61,8 @@ def generate(
     if target:
         ids, deltas = _remote_stream(target, prompt, chat, sampling)
     else:
-        ids, deltas = _local_stream(prompt, chat, sampling, model, dtype, dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method))
+        parallel = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method)
+        ids, deltas = _local_stream(prompt, chat, sampling, model, dtype, parallel)
     first, token_ids, text, reason = None, [], "", None
     for delta_ids, delta_text, finish in deltas:
         first = first or time.monotonic()
@@ -109,7 +112,7 @@ def _local_stream(prompt: str, chat: bool, sampling: dict, model: str, dtype: st
             _fail(str(e))
         except ParallelError as e:  # a rank of a parallel engine failed: its first line, exit 1
             typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
-            raise typer.Exit(code=1)
+            raise typer.Exit(code=1) from None
         finally:
             llm.close()
 
@@ -147,7 +150,7 @@ def _remote_stream(target: str, prompt: str, chat: bool, sampling: dict):
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 _fail(message)
             typer.echo(f"error: {message}", err=True)
-            raise typer.Exit(code=1)
+            raise typer.Exit(code=1) from None
 
     return (lambda: list(final[0].prompt_token_ids) if final else []), deltas()
 
@@ -224,7 +227,7 @@ def _mesh(spec: dict, log_dir: str | None):
         yield supervisor, stop
     except MeshError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=1) from None
     finally:
         supervisor.stop()
 
@@ -245,7 +248,7 @@ def status(
             found = internal_pb2_grpc.AdminStub(ch).ListInstances(internal_pb2.ListInstancesRequest(), timeout=10)
     except grpc.RpcError as e:
         typer.echo(f"error: {target}: {e.code().name}: {e.details()}", err=True)
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=1) from None
     instances = [from_message(m) for m in found.instances]
     if as_json:
         keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
@@ -253,7 +256,8 @@ def status(
         rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
         sys.stdout.write(json.dumps({"instances": rows}) + "\n")
         return
-    header = f"{'ROLE':8} {'ID':18} {'ADDRESS':22} {'PID':>7} {'TP/CP/EP':9} {'STATE':9} {'ACTIVE':>6} {'TOTAL':>6} KV BLOCKS"
+    header = (f"{'ROLE':8} {'ID':18} {'ADDRESS':22} {'PID':>7} {'TP/CP/EP':9} {'STATE':9} {'ACTIVE':>6} {'TOTAL':>6} "
+              "KV BLOCKS")
     typer.echo(header)
     for i in instances:
         layout = "/".join(str(i.parallel.get(k, 1)) for k in ("tp", "cp", "ep"))

@@ -1,9 +1,11 @@
-"""gRPC plumbing every service shares: a server with the standard health service and reflection.
+"""gRPC plumbing every service shares: a server with the standard health service, reflection and the
+typed-error edge; pooled client channels.
 
 `start_server(host, port, services)` adds each (add_to_server function, servicer,
-full service name), registers `grpc.health.v1.Health` (every service SERVING)
-and server reflection for all of them, binds and starts; it returns the server,
-the bound port and the health servicer (to report NOT_SERVING while draining).
+full service name), registers `grpc.health.v1.Health` and server reflection for
+all of them, maps typed failures to status codes (`mesh.errors`), binds and
+starts; it returns the server, the bound port and its `Health`, which reports
+every service SERVING or NOT_SERVING at once (an instance's lifecycle drives it).
 """
 
 from __future__ import annotations
@@ -15,24 +17,39 @@ from typing import Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from mesh.errors import StatusInterceptor
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *,
-                 max_workers: int = 16) -> tuple[grpc.Server, int, health.HealthServicer]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+class Health(health.HealthServicer):
+    """The standard health service of one server; `set_serving` sets every service and "" at once."""
+
+    def __init__(self, names: Sequence[str], serving: bool) -> None:
+        super().__init__()
+        self.names = ("", *names)
+        self.set_serving(serving)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            self.set(name, status)
+
+
+def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
+                 max_workers: int = 16) -> tuple[grpc.Server, int, Health]:
+    """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[StatusInterceptor()],
                          options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []
     for add, servicer, name in services:
         add(servicer, server)
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         names.append(name)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = Health(names, serving)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -64,6 +81,31 @@ class ChannelPool:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+
+
+class Links:
+    """What a service lends the KV transports it hosts (`kvtransfer.transports`): pooled channels to peers,
+    and gRPC servers of its own on `host`; `close()` closes and stops them all."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._channels = ChannelPool()
+        self._servers: list[grpc.Server] = []
+
+    def channel(self, address: str) -> grpc.Channel:
+        return self._channels.get(address)
+
+    def serve(self, services: Sequence[tuple[Callable, object, str]]) -> str:
+        """Start a server with `services` on any free port of `host`; its address."""
+        server, port, _ = start_server(self.host, 0, services)
+        self._servers.append(server)
+        return f"{self.host}:{port}"
+
+    def close(self) -> None:
+        self._channels.close()
+        for server in self._servers:
+            server.stop(grace=None)
+        self._servers.clear()
 
 
 def attach_to_experts(address: str, instance_id: str, ranks: int, model: str, timeout_s: float = 30.0) -> dict:

@@ -1,44 +1,52 @@
-"""The runtime shell every service shares: a registry heartbeat, dying with the supervisor, and `serve`
-(settings from flags and INFERMESH_* variables, tracing, run until SIGINT/SIGTERM, stop)."""
+"""The process around an instance: its registry heartbeat, and `serve`, the `main` of every service
+(settings from flags and INFERMESH_* variables, tracing, dying with the `infermesh up` supervisor,
+serving until SIGINT/SIGTERM or until the instance stops itself, e.g. after a drain)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
 from typing import Callable
 
+from engine.parallel.lifetime import die_with_parent
 from mesh.registry import InstanceInfo, Registry
 
 
 class Heartbeat:
     """Registers `record()` every `interval_s` with a TTL, and the KV block hashes `block_hashes()` says the
-    instance holds (for prefix-aware routing); `stop()` deregisters (safe twice)."""
+    instance holds (for prefix-aware routing); `beat_now()` registers at once (a state changed);
+    `stop()` deregisters (safe twice)."""
 
     def __init__(self, registry: Registry, record: Callable[[], InstanceInfo], interval_s: float, ttl_s: float,
                  block_hashes: Callable[[], set[int]] | None = None) -> None:
         self.registry, self.record, self.interval_s, self.ttl_s = registry, record, interval_s, ttl_s
         self.block_hashes = block_hashes
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self.instance_id = record().id
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
+    def beat_now(self) -> None:
+        self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()
             try:
                 self.registry.register(self.record(), self.ttl_s)
                 if self.block_hashes is not None:
                     self.registry.set_block_hashes(self.instance_id, self.block_hashes(), self.ttl_s)
             except Exception:  # the registry is unreachable: try again next beat; the TTL decides liveness
                 pass
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
 
     def stop(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         try:
             self.registry.deregister(self.instance_id)
@@ -48,36 +56,20 @@ class Heartbeat:
             self.registry.close()
 
 
-def die_with_supervisor() -> None:
-    """When started by `infermesh up` (INFERMESH_PARENT_PID set): die with the supervisor, even if it is killed."""
-    parent = os.environ.get("INFERMESH_PARENT_PID")
-    if parent is None:
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != int(parent):  # it died before prctl took effect
-        os._exit(1)
-
-
-def run_until_signalled(stop: Callable[[], None]) -> None:
-    """Block until SIGINT or SIGTERM, then call `stop`."""
-    signalled = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: signalled.set())
-    signalled.wait()
-    stop()
-
-
 def serve(role: str, settings_class, start, argv: list[str] | None = None) -> None:
-    """The `main` of a service: `start(settings)` returns an instance with `id`, `address` and `stop()`."""
+    """The `main` of a service: `start(settings)` returns a serving `mesh.instance.Instance`."""
     from mesh.settings import load, parse_flags
     from mesh.telemetry import setup_tracing
 
-    die_with_supervisor()
+    if "INFERMESH_PARENT_PID" in os.environ:  # started by `infermesh up`: die with it, even if it is killed
+        die_with_parent(int(os.environ["INFERMESH_PARENT_PID"]))
     settings = load(settings_class, parse_flags(settings_class, argv))
     setup_tracing(settings.trace, role)
     instance = start(settings)
     print(f"{role} {instance.id} serving on {instance.address}", flush=True)
-    run_until_signalled(instance.stop)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    threading.Thread(target=lambda: (instance.wait(), done.set()), name="instance-watch", daemon=True).start()
+    done.wait()
+    instance.stop()

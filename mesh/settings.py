@@ -27,12 +27,15 @@ class ServiceSettings:
     metrics_interval_s: float = 10.0
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
+    drain_timeout_s: float = 60.0  # a drain stops the instance after this long even if work is left
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < ttl_s ({self.ttl_s})")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,15 +76,12 @@ class RouterSettings(ServiceSettings):
     policy: str = "least_load"  # round_robin | least_load | prefix_aware
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode prefills uncached parts this short
     request_timeout_s: float = 300.0
-    block_size: int = 16  # the decode instances' KV block size: prompts are hashed in blocks of it for prefix hits
-    kv_transport: str = "grpc_stream"  # grpc_stream | torch_p2p: how prefill pushes KV to decode
+    kv_transport: str = "grpc_stream"  # how prefill pushes KV to decode: a name in kvtransfer.transports
 
     def __post_init__(self) -> None:
         super(RouterSettings, self).__post_init__()
         if self.policy not in ("round_robin", "least_load", "prefix_aware"):
             raise ValueError(f"policy must be round_robin, least_load or prefix_aware, got {self.policy!r}")
-        if self.kv_transport not in ("grpc_stream", "torch_p2p"):
-            raise ValueError(f"kv_transport must be grpc_stream or torch_p2p, got {self.kv_transport!r}")
 
 
 S = typing.TypeVar("S", bound=ServiceSettings)

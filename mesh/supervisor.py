@@ -1,7 +1,8 @@
 """`infermesh up`: the whole mesh on one host, as processes, in the foreground.
 
 The supervisor serves the in-memory registry over gRPC (unless a Redis URL is
-given), starts the prefill, decode and router processes (`python -m
+given), starts the expert instances first (prefill and decode attach to them as
+they start), then the prefill, decode and router processes (`python -m
 <service>.server ...`, each logging to its own file), and is ready when every
 instance is registered and the router's health check says SERVING. It stops
 every process it started on `stop()` (SIGTERM, then SIGKILL after a grace
@@ -171,8 +172,8 @@ class Supervisor:
 def _healthy(address: str) -> bool:
     with grpc.insecure_channel(address) as ch:
         try:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="infermesh.v1.Inference"),
-                                                          timeout=2).status
+            request = health_pb2.HealthCheckRequest(service="infermesh.v1.Inference")
+            status = health_pb2_grpc.HealthStub(ch).Check(request, timeout=2).status
         except grpc.RpcError:
             return False
     return status == health_pb2.HealthCheckResponse.SERVING

@@ -16,11 +16,13 @@ import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.core import EngineCore, StepOutput
+from engine.errors import Cancelled, Draining, PeerFailed
 from engine.loop import EngineLoop
 from engine.parallel.cp_choice import CPChoice
-from engine.sampler import SamplingParams, TokenLogprobs
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.transport import TransferError, TransferStats
 from mesh.telemetry import outgoing_metadata
@@ -40,9 +42,11 @@ class PrefillResult:
 
 
 class PrefillCore:
-    def __init__(self, engine: EngineCore, *, transfer_timeout_s: float = 60.0) -> None:
-        self.engine, self.transfer_timeout_s = engine, transfer_timeout_s
-        self.links = push.DecodeLinks(0, engine.parallel.cp)
+    def __init__(self, engine: EngineCore, *, host: str = "127.0.0.1", transfer_timeout_s: float = 60.0,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """`host`: the interface this instance's KV pushes leave from; `on_failure(error)`: a step raised."""
+        self.engine, self.transfer_timeout_s, self.on_failure = engine, transfer_timeout_s, on_failure
+        self.links = push.DecodeLinks(0, engine.parallel.cp, host)
         self.total_requests = 0
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None
@@ -64,8 +68,8 @@ class PrefillCore:
         self.links.close()
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: DecodeLayout,
-                addresses: list[str], transport: str = push.GRPC_STREAM) -> PrefillResult:
-        """`addresses`: per decode rank, its KVTransfer server (grpc_stream) or the pairing store (torch_p2p)."""
+                addresses: list[str], transport: str = "grpc_stream") -> PrefillResult:
+        """`addresses`: per decode rank, where its endpoint of `transport` (kvtransfer.transports) is."""
         started = time.perf_counter()
         spec = push.PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
                              block_size=self.engine.config.block_size, target=target, addresses=tuple(addresses),
@@ -73,8 +77,8 @@ class PrefillCore:
                              trace_context=tuple(outgoing_metadata()))
         try:
             spec = self.links.prepare(spec)
-        except RuntimeError as e:  # the pairing store is unreachable: decode recomputes
-            return self._prefill(request_id, prompt, params, None, f"no KV pair with decode: {e}", started)
+        except RuntimeError as e:  # e.g. the pairing store is unreachable: decode recomputes
+            return self._prefill(request_id, prompt, params, None, f"cannot reach decode's KV endpoint: {e}", started)
         if self.store is not None:
             push.publish(self.store, request_id, spec)
         try:
@@ -106,7 +110,8 @@ class PrefillCore:
                                       max(stats.seconds, theirs.seconds))
         except TransferError as e:
             stats, error = None, str(e)
-        return PrefillResult(first_token=out.new_token_ids[0], logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+        return PrefillResult(first_token=out.new_token_ids[0],
+                             logprobs=out.new_logprobs[0] if out.new_logprobs else None,
                              kv_ok=not error, kv_error=error, transfer=stats,
                              cached_tokens=seq.num_cached_prompt_tokens, prefill_seconds=prefill_seconds,
                              cp_choice=choice)
@@ -116,10 +121,15 @@ class PrefillCore:
             found = self.engine.abort(request_id)
             waiting = self._waiting.pop(request_id, None)
             if waiting is not None:
-                waiting.set_exception(RuntimeError(f"request {request_id!r} was cancelled"))
+                waiting.set_exception(Cancelled(f"request {request_id!r} was cancelled"))
             return found
 
         return self._loop.call(run)
+
+    @property
+    def in_flight(self) -> int:
+        """Prompts queued or running."""
+        return len(self._waiting)
 
     def status(self) -> dict[str, int]:
         blocks = self.engine.blocks
@@ -133,9 +143,11 @@ class PrefillCore:
 
     def _fail_waiting(self, error: BaseException) -> None:
         for request_id in list(self._waiting):
-            self._waiting.pop(request_id).set_exception(RuntimeError(f"the prefill engine failed: {error!r}"))
+            self._waiting.pop(request_id).set_exception(PeerFailed(f"the prefill engine failed: {error!r}"))
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def _abort_all(self) -> None:
         for request_id in list(self._waiting):
             self.engine.abort(request_id)
-            self._waiting.pop(request_id).set_exception(RuntimeError("the prefill instance stopped"))
+            self._waiting.pop(request_id).set_exception(Draining("the prefill instance stopped"))

@@ -1,7 +1,8 @@
-"""Pushing a prompt's KV from every rank of a prefill instance, over either transport.
+"""Pushing a prompt's KV from every rank of a prefill instance, over any transport.
 
-`DecodeLinks` is one rank's way to reach decode ranks: gRPC channels, or pair groups for the
-torch.distributed transport (`kvtransfer.pairing`; rank 0 claims the pair number that goes in the spec).
+`DecodeLinks` is one rank's way to reach decode ranks: one dialer per transport of
+`kvtransfer.transports`, made on first use (rank 0 prepares a push, e.g. claims the torch_p2p pair, and
+the link it gets goes in the spec).
 
 Ranks 1..N-1 of a context-parallel instance add this to following the step plans: each pushes the KV
 of the prompt tokens it stores, layer by layer, straight to the decode ranks.
@@ -26,17 +27,12 @@ from dataclasses import dataclass
 
 from opentelemetry import propagate, trace
 
-from kvtransfer.grpc_stream import GrpcStreamSender
-from kvtransfer.pairing import PairDialer
+from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.sink import PlanSink
-from kvtransfer.torch_p2p import TorchP2PSender
-from kvtransfer.transport import KVSender, TransferError, TransferStats
+from kvtransfer.transport import TransferError, TransferStats
 from mesh import rpc
 from mesh.telemetry import setup_tracing, tracer
-
-
-GRPC_STREAM, TORCH_P2P = "grpc_stream", "torch_p2p"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,39 +41,41 @@ class PushSpec:
     num_kv_heads: int
     block_size: int  # the prefill instance's
     target: DecodeLayout
-    addresses: tuple[str, ...]  # per decode rank: its KVTransfer server (grpc stream) or the pairing store (p2p)
+    addresses: tuple[str, ...]  # per decode rank, where its transport's endpoint is
     timeout_s: float
-    transport: str = GRPC_STREAM
-    pair: int = 0  # torch_p2p: the pair number rank 0 claimed
+    transport: str = "grpc_stream"  # a name in kvtransfer.transports
+    link: int = 0  # what rank 0's dialer prepared (torch_p2p: the pair number it claimed)
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C headers of the span the push belongs to
 
 
 class DecodeLinks:
-    """One prefill rank's connections to decode instances, reused across requests."""
+    """One prefill rank's connections to decode instances, reused across requests (thread-safe)."""
 
-    def __init__(self, rank: int, ranks: int) -> None:
-        self.channels, self.pairs = rpc.ChannelPool(), PairDialer(rank, ranks)
+    def __init__(self, rank: int, ranks: int, host: str) -> None:
+        self.rank, self.ranks, self.links = rank, ranks, rpc.Links(host)
+        self._dialers: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def dialer(self, transport: str):
+        with self._lock:
+            if transport not in self._dialers:
+                self._dialers[transport] = transports.by_name(transport).load().Dialer(self.rank, self.ranks,
+                                                                                       self.links)
+            return self._dialers[transport]
 
     def prepare(self, spec: PushSpec) -> PushSpec:
-        """Rank 0, before publishing: claim the pair a torch_p2p push goes over."""
-        if spec.transport != TORCH_P2P:
-            return spec
-        return dataclasses.replace(spec, pair=self.pairs.claim(spec.addresses[0]))
+        """Rank 0, before publishing the push (torch_p2p claims the pair it goes over)."""
+        return dataclasses.replace(spec, link=self.dialer(spec.transport).prepare(spec.addresses))
 
     def sink(self, spec: PushSpec, request_id: str) -> PlanSink:
-        ranks = len(spec.addresses)
-        if spec.transport == TORCH_P2P:
-            link = self.pairs.link(spec.addresses[0], spec.pair, ranks)
-            senders: list[KVSender] = [TorchP2PSender(link.group, request_id, self.pairs.ranks + r, link.lock)
-                                       for r in range(ranks)]
-        else:
-            senders = [GrpcStreamSender(self.channels.get(a), request_id, r, timeout_s=spec.timeout_s)
-                       for r, a in enumerate(spec.addresses)]
+        senders = self.dialer(spec.transport).senders(spec.addresses, spec.link, request_id, spec.timeout_s)
         return PlanSink(num_tokens=spec.num_tokens, num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
                         target=spec.target, senders=senders)
 
     def close(self) -> None:
-        self.channels.close()
+        for dialer in self._dialers.values():
+            dialer.close()
+        self.links.close()
 
 
 def _spec_key(request_id: str) -> str:
@@ -112,11 +110,11 @@ def forget(store, request_id: str, ranks: range) -> None:
         store.delete_key(key)
 
 
-def push_kv(rank: int, store, runner, trace_spec: str = "none"):
-    """`attach` hook for EngineCore: push this rank's share of every pushed prompt; returns the before-step hook.
-    Bind `trace_spec` (functools.partial) to trace the pushes of this rank."""
+def push_kv(rank: int, store, runner, host: str = "127.0.0.1", trace_spec: str = "none"):
+    """The `follower_hook` of EngineCore: push this rank's share of every pushed prompt; returns the
+    before-step hook. Bind `host` (this instance's interface) and `trace_spec` with functools.partial."""
     setup_tracing(trace_spec, "prefill")
-    links = DecodeLinks(rank, runner.world)  # the prefill instance's ranks are its CP ranks
+    links = DecodeLinks(rank, runner.cp_size, host)  # the prefill instance's ranks are its CP ranks
     last_layer = len(runner.kv_cache) - 1
 
     def before_step(plan):

@@ -1,81 +1,72 @@
 """The gRPC shell of a prefill instance: Prefill (prompt in, KV pushed to the decode target layer by
-layer, first token out), Cancel, Admin status, health and reflection; registered with a heartbeat.
+layer, first token out) and Cancel; the shared lifecycle, Admin, health and registry record of
+`mesh.instance`.
 
     python -m prefill_svc.server --port 0 --model smollm2-135m [--registry ...] [--trace ...]
 
 A failed KV transfer is not an error of the call: the response says KV_STATUS_FAILED with the reason
-and decode recomputes. Bad sampling or prompt -> INVALID_ARGUMENT; an unsupported transport ->
-FAILED_PRECONDITION; cancelled -> CANCELLED.
+and decode recomputes. Failures are typed and mapped at the gRPC edge: bad sampling, prompt or target
+-> INVALID_ARGUMENT; a transport no entry implements -> FAILED_PRECONDITION; cancelled -> CANCELLED;
+draining or a failed engine -> UNAVAILABLE (and the instance reports itself DRAINING).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 import threading
 import time
-import uuid
 
-import grpc
-
-from engine.core import EngineConfig, EngineCore, RequestError
+from engine.core import EngineConfig, EngineCore
+from engine.errors import RequestError
 from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.cp_choice import CPMethod
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.weights import load_checkpoint
+from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.service import Heartbeat, serve
+from mesh.instance import Instance
+from mesh.registry import Registry, Role
+from mesh.service import serve
 from mesh.settings import PrefillSettings
 from mesh.telemetry import server_span, tracer
 from prefill_svc.core import PrefillCore
-from prefill_svc.push import GRPC_STREAM, TORCH_P2P, push_kv
+from prefill_svc.push import push_kv
 from protos.convert import logprobs_message, sampling_kwargs
-from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
-
-TRANSPORTS = {internal_pb2.KV_TRANSPORT_GRPC_STREAM: GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P: TORCH_P2P}
 CP_METHODS = {CPMethod.PASS_KV: internal_pb2.CP_METHOD_PASS_KV, CPMethod.PASS_Q: internal_pb2.CP_METHOD_PASS_Q}
 
 
 class PrefillService(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, core: PrefillCore, cp: int) -> None:
-        self.core, self.cp = core, cp
+    def __init__(self, instance: "PrefillInstance") -> None:
+        self.instance, self.core, self.cp = instance, instance.core, instance.settings.cp
 
     def Prefill(self, request, context):
         rid = request.request_id
         with server_span(context, "prefill.run", request_id=rid, tokens=len(request.prompt_token_ids),
                          cp_size=self.cp) as span:
+            self.instance.admit()
             target = request.target
-            transport = TRANSPORTS.get(target.transport)
-            if transport is None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "target.transport must be KV_TRANSPORT_GRPC_STREAM "
-                              f"or KV_TRANSPORT_TORCH_P2P, got {internal_pb2.KVTransport.Name(target.transport)}")
+            transport = transports.by_wire(target.transport)
+            params = SamplingParams(**sampling_kwargs(request.sampling))
             try:
-                params = SamplingParams(**sampling_kwargs(request.sampling))
                 layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges),
                                       block_size=target.block_size, block_table=tuple(target.block_table),
                                       first_token=target.first_token)
-                if len(target.addresses) != len(layout.head_ranges):
-                    raise ValueError(f"target has {len(target.addresses)} addresses for {len(layout.head_ranges)} ranks")
             except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise RequestError(f"target: {e}") from None
+            if len(target.addresses) != len(layout.head_ranges):
+                raise RequestError(f"target has {len(target.addresses)} addresses for {len(layout.head_ranges)} ranks")
             done = threading.Event()
             context.add_callback(lambda: done.is_set() or self.core.cancel(rid))  # the caller gave up
-            try:
-                result = self.core.prefill(rid, list(request.prompt_token_ids), params, layout, list(target.addresses),
-                                           transport)
-                done.set()
-            except RequestError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:
-                context.abort(grpc.StatusCode.CANCELLED if "cancelled" in str(e) else grpc.StatusCode.UNAVAILABLE, str(e))
+            result = self.core.prefill(rid, list(request.prompt_token_ids), params, layout, list(target.addresses),
+                                       transport.name)
+            done.set()
             stats, choice = result.transfer, result.cp_choice
             method = CP_METHODS[choice.method] if choice else internal_pb2.CP_METHOD_UNSPECIFIED
             reason = choice.reason if choice else f"cp={self.cp}: one rank" if self.cp == 1 else "a one-token prompt"
-            _record_transfer_span(result, len(target.addresses), self.cp, transport)
+            _record_transfer_span(result, len(target.addresses), self.cp, transport.name)
             span.set_attributes({"cached_tokens": result.cached_tokens, "kv_bytes": stats.bytes if stats else 0,
                                  "cp_method": internal_pb2.CPMethod.Name(method), "cp_reason": reason,
                                  "kv_ok": result.kv_ok})
@@ -106,53 +97,32 @@ def _record_transfer_span(result, ranks: int, source_ranks: int, transport: str)
     span.end(end_time=end)
 
 
-class AdminService(internal_pb2_grpc.AdminServicer):
-    def __init__(self, record) -> None:
-        self.record = record
+class PrefillInstance(Instance):
+    """A prefill instance: CP ranks with an engine thread, KV pushes from every rank, the gRPC shell."""
 
-    def Status(self, request, context):
-        info = self.record()
-        return internal_pb2.InstanceStatus(
-            id=info.id, role=common_pb2.ROLE_PREFILL, address=info.address, pid=info.pid, model=info.model,
-            parallel=common_pb2.ParallelLayout(**info.parallel), state=common_pb2.INSTANCE_STATE_SERVING,
-            active_requests=info.active_requests, total_requests=info.total_requests,
-            kv_blocks_used=info.kv_blocks_used, kv_blocks_total=info.kv_blocks_total)
+    role = Role.PREFILL
 
-
-class PrefillInstance:
-    """A running prefill instance: engine thread, gRPC server, registry heartbeat. `stop()` is safe twice."""
-
-    def __init__(self, settings: PrefillSettings, instance_id: str | None = None, registry: Registry | None = None) -> None:
-        self.settings = s = settings
-        self.id = instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        config = EngineConfig(dtype=s.dtype, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
-                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens)
+    def __init__(self, settings: PrefillSettings, instance_id: str | None = None,
+                 registry: Registry | None = None) -> None:
+        super().__init__(settings, instance_id, registry)
+        s = settings
+        config = EngineConfig.from_settings(s)
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.cp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
+        followers = functools.partial(push_kv, host=s.host, trace_spec=s.trace) if s.cp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts),
-                            attach=functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None)
-        self.core = PrefillCore(engine).start()
-        self.server, port, self.health = rpc.start_server(s.host, s.port, [
-            (internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self.core, s.cp), "infermesh.v1.Prefill"),
-            (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self._record), "infermesh.v1.Admin"),
-        ])
-        self.address = f"{s.host}:{port}"
-        self.info = InstanceInfo(id=self.id, role=Role.PREFILL, address=self.address, pid=os.getpid(), model=s.model,
-                                 parallel={"tp": 1, "cp": s.cp, "ep": 1}, state=InstanceState.SERVING)
-        self.heartbeat = Heartbeat(registry or connect_registry(s.registry), self._record, s.heartbeat_s, s.ttl_s)
-        self._stopped = False
+                            ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers)
+        self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail()).start()
+        self.serve([(internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self), "infermesh.v1.Prefill")])
 
-    def _record(self) -> InstanceInfo:
-        state = InstanceState.DRAINING if self.core.failed else InstanceState.SERVING
-        return dataclasses.replace(self.info, state=state, **self.core.status())
+    def describe(self) -> dict:
+        s = self.settings
+        return {"parallel": {"tp": 1, "cp": s.cp, "ep": 1}, "block_size": s.block_size, **self.core.status()}
 
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        self.heartbeat.stop()
-        self.server.stop(grace=None)
+    def in_flight(self) -> int:
+        return self.core.in_flight
+
+    def close(self) -> None:
         self.core.stop()
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import Unavailable
 from mesh.registry import InstanceInfo, InstanceState
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 
 
-class NoInstance(LookupError):
+class NoInstance(Unavailable):
     """No instance of a needed role is serving."""
 
 
@@ -59,8 +60,8 @@ def route(*, prompt_tokens: int, decodes: list[InstanceInfo], prefills: list[Ins
     if not available:
         return Route(decode, None, uncached, "no prefill instance is serving: prefill on decode")
     if uncached <= local_prefill_max_tokens:
-        return Route(decode, None, uncached,
-                     f"{uncached} uncached tokens <= local_prefill_max_tokens={local_prefill_max_tokens}: prefill on decode")
+        return Route(decode, None, uncached, f"{uncached} uncached tokens <= "
+                                             f"local_prefill_max_tokens={local_prefill_max_tokens}: prefill on decode")
     unsaturated = [p for p in available if p.active_requests < prefill_saturation]
     if not unsaturated:
         return Route(decode, None, uncached, f"every prefill instance has >= {prefill_saturation} active requests: "

@@ -5,7 +5,9 @@ disaggregated, it calls Reserve on decode, Prefill on the prefill instance (whic
 pushes the KV to decode), then Decode; otherwise Decode with prefill_locally.
 Every hop gets the caller's deadline and the W3C trace context; when the client
 cancels or its deadline passes, the downstream stream is cancelled and the decode
-instance frees the request's blocks.
+instance frees the request's blocks. Prompts are hashed for prefix hits in the KV
+block size the decode instances publish. The router loads no torch: it needs the
+tokenizer, sampling checks, model info and prefix hashes, all plain Python.
 
     python -m router.server --port 8000 --model smollm2-135m --registry redis://127.0.0.1:6379
 """
@@ -13,19 +15,22 @@ instance frees the request's blocks.
 from __future__ import annotations
 
 import itertools
-import os
+import threading
 import time
 import uuid
 
 import grpc
 
 from engine.block_manager import prefix_hashes
-from engine.sampler import SamplingParams
-from engine.weights import load_model_info
+from engine.errors import RequestError
+from engine.model_info import load_model_info
+from engine.sampling_params import SamplingParams
+from kvtransfer import transports
 from mesh import rpc
-from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
-from mesh.registry.remote import to_message
-from mesh.service import Heartbeat, serve
+from mesh.errors import from_status
+from mesh.instance import Instance
+from mesh.registry import Registry, Role
+from mesh.service import serve
 from mesh.settings import RouterSettings
 from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
@@ -34,12 +39,14 @@ from router.policy import NoInstance, route
 
 
 class RouterService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, settings: RouterSettings, registry: Registry) -> None:
-        self.settings, self.registry = settings, registry
-        self.config, self.tokenizer = load_model_info(settings.model)
+    def __init__(self, instance: "RouterInstance") -> None:
+        self.instance, self.settings, self.registry = instance, instance.settings, instance.registry
+        self.config, self.tokenizer = load_model_info(self.settings.model)
+        self.kv_transport = transports.by_name(self.settings.kv_transport).wire
         self.channels = rpc.ChannelPool()
         self._turns = itertools.count()
-        self.block_size = settings.block_size
+        self._lock = threading.Lock()
+        self.active = 0  # streams being served
 
     def ListModels(self, request, context):
         cfg = self.config
@@ -48,21 +55,23 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
             vocab_size=cfg.vocab_size)])
 
     def Generate(self, request, context):
+        self.instance.admit()
         if request.HasField("token_ids"):
             ids = list(request.token_ids.ids)
         elif request.text:
             ids = self.tokenizer.encode(request.text)
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text or token_ids (neither was set)")
+            raise RequestError("prompt: give text or token_ids (neither was set)")
         yield from self._serve(ids, request.sampling, request.request_id, context)
 
     def Chat(self, request, context):
+        self.instance.admit()
         if not request.messages:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
+            raise RequestError("messages must not be empty")
         try:
             ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {e}")
+            raise RequestError(f"messages: {e}") from None
         yield from self._serve(ids, request.sampling, request.request_id, context)
 
     def _serve(self, ids: list[int], sampling, request_id: str, context):
@@ -70,14 +79,23 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
         started = time.monotonic()
         try:
             SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        except RequestError as e:
+            raise RequestError(f"sampling: {e}") from None
         if not ids:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+            raise RequestError("prompt must not be empty")
+        with self._lock:
+            self.active += 1
+        try:
+            yield from self._stream(rid, ids, sampling, context, started)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def _stream(self, rid: str, ids: list[int], sampling, context, started: float):
         with server_span(context, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
             failed: set[str] = set()  # decode instances that were unreachable for this request
             while True:
-                chosen = self._route(ids, failed, context)
+                chosen = self._route(ids, failed)
                 streamed = False
                 try:
                     for response in self._attempt(rid, ids, sampling, chosen, context, started):
@@ -91,22 +109,21 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
                         failed.add(chosen.decode.id)  # gone before its first token: try another instance
                         span.add_event("retry", {"unavailable": chosen.decode.id})
                         continue
-                    context.abort(e.code(), f"{chosen.decode.id}: {e.details()}")
+                    raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
 
-    def _route(self, ids: list[int], failed: set[str], context):
+    def _route(self, ids: list[int], failed: set[str]):
         with tracer().start_as_current_span("router.route") as route_span:
+            decodes = [d for d in self.registry.instances(Role.DECODE) if d.id not in failed]
+            block_size = next((d.block_size for d in decodes if d.block_size), 0)  # one for all: decode enforces it
+            hits = self.registry.prefix_hits(prefix_hashes(ids, block_size)) if block_size else {}
             try:
-                chosen = route(prompt_tokens=len(ids),
-                               decodes=[d for d in self.registry.instances(Role.DECODE) if d.id not in failed],
-                               prefills=self.registry.instances(Role.PREFILL), policy=self.settings.policy,
-                               turn=next(self._turns), prefix_hits=self.registry.prefix_hits(
-                                   prefix_hashes(ids, self.block_size)),
-                               block_size=self.block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
+                chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=self.registry.instances(Role.PREFILL),
+                               policy=self.settings.policy, turn=next(self._turns), prefix_hits=hits,
+                               block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
             except NoInstance as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e) + (f" (unreachable: {', '.join(sorted(failed))})"
-                                                                     if failed else ""))
-            route_span.set_attributes({"decode": chosen.decode.id, "prefill": chosen.prefill.id if chosen.prefill else "",
-                                       "reason": chosen.reason})
+                raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) from None
+            route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
+                                       "prefill": chosen.prefill.id if chosen.prefill else ""})
         return chosen
 
     def _attempt(self, rid: str, ids: list[int], sampling, chosen, context, started: float):
@@ -131,63 +148,42 @@ class RouterService(inference_pb2_grpc.InferenceServicer):
                 tokens = final.usage.completion_tokens
                 final.timings.CopyFrom(common_pb2.Timings(
                     ttft_s=(first_at or end) - started, total_s=end - started,
-                    tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
+                    tokens_per_s=(tokens - 1) / (end - first_at)
+                    if first_at and end > first_at and tokens > 1 else 0.0))
             yield response
 
     def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
         target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                                            transport=KV_TRANSPORTS[self.settings.kv_transport]),
+                                                            transport=self.kv_transport),
                                 timeout=timeout, metadata=metadata).target
         try:
-            done = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address)).Prefill(internal_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=sampling, target=target), timeout=timeout, metadata=metadata)
+            prefill = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address))
+            done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                                               target=target), timeout=timeout, metadata=metadata)
         except grpc.RpcError:  # the prefill instance failed: decode recomputes the prompt in its reservation
             return internal_pb2.DecodeRequest(request_id=rid, kv_status=internal_pb2.KV_STATUS_FAILED)
         return internal_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id, kv_status=done.kv_status)
 
     def _remaining(self, context) -> float:
         remaining = context.time_remaining()
-        return min(remaining, self.settings.request_timeout_s) if remaining is not None else self.settings.request_timeout_s
+        limit = self.settings.request_timeout_s
+        return min(remaining, limit) if remaining is not None else limit
 
 
-KV_TRANSPORTS = {"grpc_stream": internal_pb2.KV_TRANSPORT_GRPC_STREAM, "torch_p2p": internal_pb2.KV_TRANSPORT_TORCH_P2P}
+class RouterInstance(Instance):
+    """A router: the public Inference service and the shared gRPC shell; its in-flight work is its streams."""
 
+    role = Role.ROUTER
 
-class RouterAdmin(internal_pb2_grpc.AdminServicer):
-    def __init__(self, record, registry: Registry) -> None:
-        self.record, self.registry = record, registry
-
-    def Status(self, request, context):
-        return to_message(self.record())
-
-    def ListInstances(self, request, context):
-        return internal_pb2.ListInstancesResponse(instances=[to_message(i) for i in self.registry.instances()])
-
-
-class RouterInstance:
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
-        self.settings = settings
-        self.registry = registry or connect_registry(settings.registry)
-        self.service = RouterService(settings, self.registry)
-        self.id = f"router-{uuid.uuid4().hex[:8]}"
-        self.server, port, self.health = rpc.start_server(settings.host, settings.port, [
-            (inference_pb2_grpc.add_InferenceServicer_to_server, self.service, "infermesh.v1.Inference"),
-            (internal_pb2_grpc.add_AdminServicer_to_server, RouterAdmin(self._record, self.registry), "infermesh.v1.Admin"),
-        ])
-        self.address = f"{settings.host}:{port}"
-        self.heartbeat = Heartbeat(self.registry, self._record, settings.heartbeat_s, settings.ttl_s)
-        self._stopped = False
+        super().__init__(settings, registry=registry)
+        self.service = RouterService(self)
+        self.serve([(inference_pb2_grpc.add_InferenceServicer_to_server, self.service, "infermesh.v1.Inference")])
 
-    def _record(self) -> InstanceInfo:
-        return InstanceInfo(id=self.id, role=Role.ROUTER, address=self.address, pid=os.getpid(), model=self.settings.model,
-                            state=InstanceState.SERVING)
+    def in_flight(self) -> int:
+        return self.service.active
 
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        self.heartbeat.stop()
-        self.server.stop(grace=None)
+    def close(self) -> None:
         self.service.channels.close()
 
 

@@ -56,7 +56,8 @@ def write_tiny_tokenizer(folder) -> None:
     tok.save(str(folder / "tokenizer.json"))
     template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}" \
                "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>", "bos_token": "<s>"}))
+    config = {"chat_template": template, "eos_token": "</s>", "bos_token": "<s>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +77,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from engine.weights import resolve_model
+    from engine.model_info import resolve_model
 
     return resolve_model("smollm2-135m")
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.allreduce import (AllReduceAlgorithm, AllReducer, AllReduceThresholds, all_reduce,
-                                       choose_algorithm)
+from engine.parallel.allreduce import AllReduceAlgorithm, AllReducer, AllReduceThresholds, all_reduce, choose_algorithm
 from engine.parallel.groups import rendezvous, stateless_group
 
 

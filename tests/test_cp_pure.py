@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.parallel.cp_choice import CPMethod, choose_cp_method
 from engine.parallel.cp_merge import merge_partials, partial_attention
@@ -101,16 +102,17 @@ def test_counting_the_all_to_all_lowers_the_miss_rate_bound():
 
 
 def test_segments_name_each_ranks_chunks_in_block_order():
-    from engine.parallel.cp_shard import CACHED, Segment, kv_segments, query_segments
+    from engine.parallel.cp_shard import Segment, kv_segments, query_segments
 
     shards = shard_tokens(10, 2)  # chunks of 3: [0,3) [3,6) [6,9) [9,10)
     assert query_segments(shards[0]) == (Segment(0, 0, 3), Segment(3, 3, 4))
     assert query_segments(shards[1]) == (Segment(1, 0, 3), Segment(2, 3, 6))
-    assert kv_segments(5, query_segments(shards[0])) == (Segment(CACHED, 0, 5), Segment(0, 5, 8), Segment(3, 8, 9))
+    assert kv_segments(5, query_segments(shards[0])) == (Segment(None, 0, 5), Segment(0, 5, 8), Segment(3, 8, 9))
     assert query_segments(shard_tokens(3, 4)[3]) == ()  # a rank with no new tokens
 
 
 def test_a_query_chunk_sees_earlier_chunks_whole_its_own_causally_and_later_ones_not():
-    from engine.parallel.cp_shard import CACHED, sees
+    from engine.parallel.cp_shard import Visibility, sees
 
-    assert [sees(2, k) for k in (CACHED, 0, 1, 2, 3)] == ["all", "all", "all", "causal", None]
+    whole, causal = Visibility.WHOLE, Visibility.CAUSAL
+    assert [sees(2, k) for k in (None, 0, 1, 2, 3)] == [whole, whole, whole, causal, None]

@@ -57,7 +57,7 @@ def test_kv_pushed_into_a_reservation_continues_exactly_as_one_engine(decode):
     (expected,) = LLM(folder, dtype="float32").generate([p], GREEDY)
     target = stub.Reserve(internal_pb2.ReserveRequest(request_id="r1", prompt_token_ids=p,
                                                       sampling=sampling_message(GREEDY)), timeout=30).target
-    assert target.addresses == [instance.address] and target.block_size == 16
+    assert target.addresses == [instance.endpoints["grpc_stream"].address] and target.block_size == 16
     prefill = EngineCore(load_checkpoint(folder), EngineConfig(dtype="float32", block_size=8, num_kv_blocks=32))
     layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges), block_size=target.block_size,
                           block_table=tuple(target.block_table), first_token=target.first_token)
@@ -81,8 +81,8 @@ def test_prefill_locally_and_recompute_after_a_failed_transfer_give_the_same_tok
                                                               prompt_token_ids=p, sampling=sampling_message(GREEDY)),
                                    timeout=60))
     stub.Reserve(internal_pb2.ReserveRequest(request_id="lost", prompt_token_ids=p, sampling=sampling_message(GREEDY)))
-    recomputed, _ = collect(stub.Decode(internal_pb2.DecodeRequest(request_id="lost",
-                                                                   kv_status=internal_pb2.KV_STATUS_FAILED), timeout=60))
+    lost = internal_pb2.DecodeRequest(request_id="lost", kv_status=internal_pb2.KV_STATUS_FAILED)
+    recomputed, _ = collect(stub.Decode(lost, timeout=60))
     assert local == recomputed == expected.token_ids
 
 
@@ -116,7 +116,8 @@ def test_bad_requests_get_clear_status_codes_and_the_service_keeps_serving(decod
         stub.Reserve(internal_pb2.ReserveRequest(request_id="b2", prompt_token_ids=[TINY_VOCAB + 5]), timeout=30)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "out of range [0, 320)" in e.value.details()
     for holder in ("h1", "h2"):  # 2 x 32 blocks: the cache is full
-        stub.Reserve(internal_pb2.ReserveRequest(request_id=holder, prompt_token_ids=prompt(500, seed=len(holder) + ord(holder[1]))))
+        held = prompt(500, seed=len(holder) + ord(holder[1]))
+        stub.Reserve(internal_pb2.ReserveRequest(request_id=holder, prompt_token_ids=held))
     with pytest.raises(grpc.RpcError) as e:
         stub.Reserve(internal_pb2.ReserveRequest(request_id="b3", prompt_token_ids=[5] * 100), timeout=30)
     assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "free blocks" in e.value.details()
@@ -126,7 +127,7 @@ def test_bad_requests_get_clear_status_codes_and_the_service_keeps_serving(decod
                             timeout=30))
     assert e.value.code() is grpc.StatusCode.NOT_FOUND
     assert blocks_used(admin) == 0
-    tokens, _ = collect(stub.Decode(internal_pb2.DecodeRequest(request_id="after", prefill_locally=True,
-                                                               prompt_token_ids=[5, 6], sampling=sampling_message(GREEDY)),
-                                    timeout=60))
+    after = internal_pb2.DecodeRequest(request_id="after", prefill_locally=True, prompt_token_ids=[5, 6],
+                                       sampling=sampling_message(GREEDY))
+    tokens, _ = collect(stub.Decode(after, timeout=60))
     assert len(tokens) == 8

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core import EngineConfig, EngineCore, RequestError
+from engine.core import EngineConfig, EngineCore
+from engine.errors import KVCacheFull, NoReservation, PeerFailed
 from engine.weights import load_checkpoint
 from tests.conftest import TINY_VOCAB
 
@@ -100,13 +101,13 @@ def test_a_failed_transfer_is_recomputed_on_decode(engines):
 def test_reserving_more_than_the_cache_holds_is_refused_and_leaks_nothing(engines):
     _, decode, _ = engines
     decode.reserve("holder", [4] * 400, GREEDY)  # 50 of the 64 blocks
-    with pytest.raises(RequestError, match=r"KV cache has 14 free blocks; the prompt needs 15"):
+    with pytest.raises(KVCacheFull, match=r"KV cache has 14 free blocks; the prompt needs 15"):
         decode.reserve("big", [5] * 120, GREEDY)
     assert decode.blocks.num_used_blocks == 50
     decode.reserve("r", [5] * 20, GREEDY)
     assert decode.abort("r") and decode.abort("holder")
     assert decode.blocks.num_used_blocks == 0  # cancelling a reservation frees it
-    with pytest.raises(RequestError, match="has no reservation"):
+    with pytest.raises(NoReservation, match="has no reservation"):
         decode.join("r", 7)
 
 
@@ -125,6 +126,6 @@ def test_an_engine_step_that_raises_stops_the_loop_and_fails_its_waiters(engines
     loop.call(lambda: None)  # wakes the loop, which then steps
     loop._thread.join(timeout=10)
     assert [str(e) for e in failures] == ["device lost"]
-    with pytest.raises(RuntimeError, match="the engine loop has stopped: RuntimeError\\('device lost'\\)"):
+    with pytest.raises(PeerFailed, match="the engine failed: RuntimeError\\('device lost'\\)"):
         loop.call(lambda: None)
     loop.stop()  # safe after a failure

@@ -1,7 +1,8 @@
 """Expert instances over real gRPC and real process groups: an expert instance of two EP ranks serves both a
 prefill instance (CP=2) and a decode instance (TP=2) attached to it; greedy tokens through the router equal
-transformers'; status shows placement, tokens per expert and the attached instances; bad attaches are refused; when the expert
-instance dies, its attached decode instance fails at once and the router serves the request elsewhere."""
+transformers'; status shows placement, tokens per expert and the attached instances; bad attaches are refused;
+when the expert instance dies, its attached decode instance fails at once and the router serves the request
+elsewhere."""
 
 from __future__ import annotations
 
@@ -55,14 +56,20 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
     with ThreadPoolExecutor(8) as pool:  # long prompts prefill on the CP instance, short ones on decode
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == [hf_greedy(hf, p, 6)[0] for p in prompts]
-    status = internal_pb2_grpc.AdminStub(channel(experts.address)).Status(internal_pb2.StatusRequest(), timeout=30)
+    admin = internal_pb2_grpc.AdminStub(channel(experts.address))
+    deadline = time.monotonic() + 10  # the second EP rank (a child process) publishes its counts every 0.5 s
+    while True:
+        status = admin.Status(internal_pb2.StatusRequest(), timeout=30)
+        tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
+        if tokens[:, 2:].sum() > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert status.role == common_pb2.ROLE_EXPERT and list(status.placement) == [0, 0, 1, 1]
     assert sorted(status.attached) == sorted([prefill.id, decode.id])
     (record,) = [i for i in router.registry.instances() if i.id == experts.id]  # registered with its placement
     assert record.placement == (0, 0, 1, 1) and record.rendezvous == experts.book.address
-    tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
     assert tokens.shape == (2, 4) and (tokens.sum(1) > 0).all()
-    assert tokens[:, 2:].sum() > 0  # the second EP rank (a child process) published its counts
+    assert tokens[:, 2:].sum() > 0  # the second EP rank's counts reached rank 0's status
     experts.meter_provider.force_flush()  # the same counts as OpenTelemetry metrics
     exported = {}
     for line in Path(experts.settings.metrics[5:]).read_text().splitlines():
@@ -130,7 +137,8 @@ def test_upcycled_smollm2_through_an_expert_instance_gives_the_dense_model_token
     registry = MemoryRegistry()
     common = dict(model="smollm2-135m-moe", dtype="float32")
     experts = ExpertInstance(ExpertSettings(ep=2, **common), registry=registry)
-    decode = DecodeInstance(DecodeSettings(experts=experts.address, kv_cache_bytes=1 << 24, **common), registry=registry)
+    decode = DecodeInstance(DecodeSettings(experts=experts.address, kv_cache_bytes=1 << 24, **common),
+                            registry=registry)
     router = RouterInstance(RouterSettings(model="smollm2-135m-moe"), registry=registry)
     try:
         with LLM("smollm2-135m", dtype="float32") as dense:

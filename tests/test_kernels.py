@@ -38,7 +38,8 @@ def test_paged_decode_attention_matches_exact_attention(heads, kv_heads, head_di
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     lens = torch.tensor([1, block_size * 2 + 3, block_size * 5], dtype=torch.int32)
     # int32 tables, or the engine's int64 ones (indexing the cache on CPU too)
-    tables = torch.randperm(num_blocks, generator=g)[: batch * 6].view(batch, 6).to(torch.int32 if splits != 3 else torch.long)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * 6].view(batch, 6)
+    tables = tables.to(torch.int32 if splits != 3 else torch.long)
     q = torch.randn(batch, heads, head_dim, generator=g)
     out, lse = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=splits)
     ref_out, ref_lse = paged_reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
@@ -50,7 +51,8 @@ def test_paged_decode_attention_refuses_mismatched_shapes():
     q = torch.randn(2, 4, 16)
     cache = torch.randn(8, 4, 3, 16)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of KV heads \(3\)"):
-        paged_decode_attention(q, cache, cache, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0)
+        paged_decode_attention(q, cache, cache, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                               1.0)
     with pytest.raises(ValueError, match="must have 2 rows"):
         paged_decode_attention(q, cache[:, :, :2], cache[:, :, :2], torch.zeros(3, 2, dtype=torch.int32),
                                torch.ones(2, dtype=torch.int32), 1.0)

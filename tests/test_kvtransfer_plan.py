@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.parallel.cp_shard import shard_tokens
 from engine.parallel.tp import head_shard
@@ -16,7 +17,8 @@ def layouts(num_tokens, cp, tp, heads, kv_heads, src_block, dst_block, first_tok
     g = torch.Generator().manual_seed(seed)
     src_blocks, dst_blocks = -(-num_tokens // src_block), -(-num_tokens // dst_block)
     src = PrefillLayout(token_ranges=tuple(s.ranges for s in shard_tokens(num_tokens, cp)), num_kv_heads=kv_heads,
-                        block_size=src_block, block_table=tuple(torch.randperm(src_blocks + 3, generator=g)[:src_blocks].tolist()))
+                        block_size=src_block,
+                        block_table=tuple(torch.randperm(src_blocks + 3, generator=g)[:src_blocks].tolist()))
     cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads)
     dst = DecodeLayout(head_ranges=tuple(head_shard(cfg, tp, r).kv_heads for r in range(tp)), block_size=dst_block,
                        block_table=tuple(torch.randperm(dst_blocks + 2, generator=g)[:dst_blocks].tolist()),
@@ -58,7 +60,8 @@ def test_moving_by_the_plan_reproduces_the_kv_bit_exactly(cp, tp):
             for t in range(start, end):
                 cache[:, src.block_table[t // 4] * 4 + t % 4] = truth[:, t]
         src_caches.append(cache)
-    dst_caches = [torch.zeros(layers, 64 * 16, end - start, head_dim, dtype=torch.bfloat16) for start, end in dst.head_ranges]
+    dst_caches = [torch.zeros(layers, 64 * 16, end - start, head_dim, dtype=torch.bfloat16)
+                  for start, end in dst.head_ranges]
     for layer in range(layers):  # layer by layer, as the transports push
         for p in plan(src, dst):
             n = p.num_tokens

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent import futures
-
 import grpc
 import pytest
 import torch
@@ -15,6 +13,7 @@ from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
 from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState
+from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 
@@ -36,11 +35,9 @@ def pair(tiny_checkpoint):
     checkpoint = load_checkpoint(str(folder))
     prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
     decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(KVReceiver(decode.kv_cache, reservations(decode))),
-                                                       server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    service = KVTransferService(KVReceiver(decode.kv_cache, reservations(decode)))
+    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+                                                     "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield prefill, decode, channel, LLM(str(folder), dtype="float32")
     channel.close()

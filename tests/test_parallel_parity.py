@@ -63,8 +63,8 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in l.items())}"
-                                                       for a, l in LAYOUTS])
+@pytest.mark.parametrize("arch,layout", LAYOUTS, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in layout.items())}"
+                                                       for a, layout in LAYOUTS])
 def test_parallel_layout_equals_single_rank(arch, layout, tiny_checkpoint, single_rank):
     folder, _ = tiny_checkpoint(arch)
     expected = single_rank(arch)

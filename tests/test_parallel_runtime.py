@@ -19,8 +19,8 @@ from engine.parallel.context import ParallelConfig, ParallelContext, connect
 from engine.parallel.ep import ExpertParallelMoE, all_to_all, expert_placement
 from engine.parallel.groups import rendezvous
 from engine.parallel.launcher import ParallelError
+from engine.parallel.parallelize import build_runner
 from engine.parallel.tp import head_shard
-from engine.runner import build_runner
 from engine.step_plan import ChunkPlan, StepPlan
 from engine.weights import load_checkpoint
 from tests.test_allreduce import free_port
@@ -47,7 +47,8 @@ def child_ranks() -> list[int]:
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=16, max_position=512, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False)
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position=512, rms_norm_eps=1e-6, rope_theta=1e4,
+                tie_word_embeddings=False)
     return ModelConfig(**(base | overrides))
 
 
@@ -169,7 +170,8 @@ def cp_kv_worker(rank: int, world: int, port: int, folder: str, method: str) -> 
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for plan in steps:
         for c in plan.chunks:
-            written[[c.block_table[p // block_size] * block_size + p % block_size for p in range(c.start, c.end)]] = True
+            slots = [c.block_table[p // block_size] * block_size + p % block_size for p in range(c.start, c.end)]
+            written[slots] = True
     owners = cp.owned.to(torch.int32)
     cp.group.allreduce([owners]).wait()
     assert torch.equal(owners.bool(), written) and int(owners.max()) == 1  # every token stored by exactly one rank

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TINY_ARCHS, TINY_VOCAB
+
 from engine import LLM, SamplingParams
 
 STEPS = 32

@@ -26,8 +26,8 @@ def instances(tiny_checkpoint):
     common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22)
     prefill = PrefillInstance(PrefillSettings(block_size=8, **common))
     decode = DecodeInstance(DecodeSettings(block_size=16, **common))
-    yield (internal_pb2_grpc.PrefillStub(channel(prefill.address)), internal_pb2_grpc.DecodeStub(channel(decode.address)),
-           LLM(str(folder), dtype="float32"))
+    yield (internal_pb2_grpc.PrefillStub(channel(prefill.address)),
+           internal_pb2_grpc.DecodeStub(channel(decode.address)), LLM(str(folder), dtype="float32"))
     prefill.stop()
     decode.stop()
 
@@ -39,8 +39,8 @@ def disaggregated(prefill, decode, request_id: str, prompt: list[int], params: S
                                                         sampling=sampling, transport=transport), timeout=30).target
     if target_override is not None:
         target = target_override(target)
-    done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                                       target=target), timeout=60)
+    done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                       sampling=sampling, target=target), timeout=60)
     tokens, final = collect(decode.Decode(internal_pb2.DecodeRequest(request_id=request_id,
                                                                      first_token_id=done.first_token_id,
                                                                      kv_status=done.kv_status), timeout=60))

@@ -125,7 +125,8 @@ def test_bad_input_and_missing_instances_get_clear_codes(mesh, tiny_checkpoint):
                            timeout=10))
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[TINY_VOCAB])), timeout=10))
+        out_of_range = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[TINY_VOCAB]))
+        list(stub.Generate(out_of_range, timeout=10))
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.details()
     folder, _ = tiny_checkpoint("llama")
     lonely = RouterInstance(RouterSettings(model=str(folder)), registry=MemoryRegistry())

@@ -30,8 +30,9 @@ def test_prefix_aware_prefers_the_longest_cached_prefix_then_load():
 
 
 def route_for(prompt_tokens, prefills, hits=None, threshold=64, decodes=None):
-    return route(prompt_tokens=prompt_tokens, decodes=decodes or [inst("d1")], prefills=prefills, policy="prefix_aware",
-                 turn=0, prefix_hits=hits or {}, block_size=16, local_prefill_max_tokens=threshold, prefill_saturation=4)
+    return route(prompt_tokens=prompt_tokens, decodes=decodes or [inst("d1")], prefills=prefills,
+                 policy="prefix_aware", turn=0, prefix_hits=hits or {}, block_size=16,
+                 local_prefill_max_tokens=threshold, prefill_saturation=4)
 
 
 def test_long_uncached_prompts_go_to_the_least_loaded_prefill_instance():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import SamplingParams, SamplingParamsError, sample
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def logits_rows(n: int = 1, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 

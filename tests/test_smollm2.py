@@ -49,7 +49,8 @@ def test_chat_template_matches_transformers(smollm2_llm, smollm2_hf_tokenizer):
 def varied_strings(n: int = 240) -> list[str]:
     rng = random.Random(1234)
     pieces = ["Hello", "world", " ", "  ", "\t", "\n", "\n\n", "   ", "12345", "3.14159", "-42", "1,000,000",
-              "0x1F", "naïve", "café", "Ünïcödé", "日本語", "中文字符", "한국어", "Привет", "مرحبا", "שלום", "😀", "🚀🔥",
+              "0x1F", "naïve", "café", "Ünïcödé", "日本語", "中文字符", "한국어", "Привет", "مرحبا", "שלום",
+              "😀", "🚀🔥",
               "👨‍👩‍👧", "def f(x):", "    return x*2", "{\"a\": [1, 2]}", "<html>", "a_b-c.d", "!!!", "...", "—",
               "can't", "I'm", "you'll", "http://example.com/?q=1", "#include <stdio.h>", "SELECT * FROM t;",
               "  leading", "trailing  ", "MiXeD CaSe", "ALLCAPS", "tab\tsep", "e=mc^2", "∑∫√∞", "½ ¾", "$100.00"]

@@ -34,8 +34,8 @@ def cp_tp_mesh(tiny_checkpoint):
     prefill = PrefillInstance(PrefillSettings(block_size=8, cp=2, **common), registry=registry)
     decode = DecodeInstance(DecodeSettings(block_size=16, tp=2, **common), registry=registry)
     router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20), registry=registry)
-    p2p_router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20, kv_transport="torch_p2p"),
-                                registry=registry)
+    p2p = RouterSettings(model=str(folder), local_prefill_max_tokens=20, kv_transport="torch_p2p")
+    p2p_router = RouterInstance(p2p, registry=registry)
     deadline = time.monotonic() + 60
     while len(registry.instances()) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)

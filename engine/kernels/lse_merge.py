@@ -37,7 +37,8 @@ def _merge_lse(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_partials, rows,
 
 def merge_lse(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if outputs.dim() != 4 or lses.shape != outputs.shape[:3]:
-        raise ValueError(f"need outputs [S, T, H, D] and lses [S, T, H]; got {tuple(outputs.shape)} and {tuple(lses.shape)}")
+        raise ValueError(f"need outputs [S, T, H, D] and lses [S, T, H]; "
+                         f"got {tuple(outputs.shape)} and {tuple(lses.shape)}")
     if outputs.dtype != torch.float32 or lses.dtype != torch.float32:
         raise ValueError(f"partials must be float32, got {outputs.dtype} and {lses.dtype}")
     num_partials, tokens, heads, head_dim = outputs.shape

@@ -76,7 +76,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"must have {batch} rows")
-    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or block_size & (block_size - 1):
+    if (q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or block_size & (block_size - 1)):
         raise ValueError("q and the caches need a contiguous last dim, equal cache strides and a power-of-2 block size")
     max_blocks = block_tables.shape[1]
     num_splits = num_splits or max(1, min(16, max_blocks // 4))

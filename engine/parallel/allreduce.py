@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.parallel import shm_allreduce
+
 
 class AllReduceAlgorithm(enum.Enum):
     FLAT = "flat"
@@ -34,9 +36,11 @@ class AllReduceThresholds:
 
     def __post_init__(self) -> None:
         if not 0 <= self.flat_max_bytes <= self.tree_max_bytes:
-            raise ValueError(f"need 0 <= flat_max_bytes ({self.flat_max_bytes}) <= tree_max_bytes ({self.tree_max_bytes})")
+            raise ValueError(f"need 0 <= flat_max_bytes ({self.flat_max_bytes}) "
+                             f"<= tree_max_bytes ({self.tree_max_bytes})")
 
 
+CPU = torch.device("cpu")
 # Measured on gloo over loopback (bench/RESULTS.md): flat wins up to ~256 KB, the backend ring above; tree never.
 GLOO_THRESHOLDS = AllReduceThresholds(flat_max_bytes=256 * 1024, tree_max_bytes=256 * 1024)
 
@@ -93,10 +97,8 @@ class AllReducer:
     """
 
     def __init__(self, group: dist.ProcessGroup, thresholds: AllReduceThresholds = AllReduceThresholds(),
-                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+                 device: torch.device = CPU, dtype: torch.dtype = torch.float32,
                  shared_memory: bool = True) -> None:
-        from engine.parallel import shm_allreduce
-
         self.group, self.thresholds = group, thresholds
         self.symmetric = _SymmetricBuffer.create(group, thresholds, device, dtype) if device.type == "cuda" else None
         use_shm = shared_memory and device.type == "cpu" and group.size() > 1 and shm_allreduce.available()
@@ -109,7 +111,8 @@ class AllReducer:
         if self.shared is not None and num_bytes <= self.shared.max_bytes:
             return self.shared(tensor)
         algorithm = choose_algorithm(num_bytes, self.thresholds)
-        if self.symmetric is not None and algorithm is not AllReduceAlgorithm.RING and tensor.dtype == self.symmetric.dtype:
+        symmetric = self.symmetric
+        if symmetric is not None and algorithm is not AllReduceAlgorithm.RING and tensor.dtype == symmetric.dtype:
             return self.symmetric.all_reduce(tensor, algorithm)
         return all_reduce(tensor, self.group, algorithm)
 

@@ -100,7 +100,7 @@ class ParallelContext:
 
     config: ParallelConfig
     rank: int
-    world: dist.ProcessGroup | None = None  # all ranks of the instance: step plans
+    instance_group: dist.ProcessGroup | None = None  # all ranks of the instance
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
@@ -125,7 +125,7 @@ def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, back
     With `config.experts`, also join the expert instance's attachment group (it blocks until all are there).
 
     With the layouts `ParallelConfig` allows, every axis larger than 1 spans the whole
-    instance, so the axis groups are the world group itself.
+    instance, so the axis groups are the instance group itself.
     """
     experts = None
     if config.experts is not None:  # attention ranks first, then the expert instance's ranks
@@ -136,9 +136,9 @@ def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, back
                                   attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout)
     if config.world_size == 1:
         return ParallelContext(config=config, rank=0, expert_group=experts)
-    world = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout)
-    return ParallelContext(config=config, rank=rank, world=world,
-                           tp_group=world if config.tp > 1 else None,
-                           cp_group=world if config.cp > 1 else None,
-                           ep_group=world if config.ep > 1 else None,
+    group = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout)
+    return ParallelContext(config=config, rank=rank, instance_group=group,
+                           tp_group=group if config.tp > 1 else None,
+                           cp_group=group if config.cp > 1 else None,
+                           ep_group=group if config.ep > 1 else None,
                            expert_group=experts)

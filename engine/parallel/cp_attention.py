@@ -30,7 +30,7 @@ import torch
 
 from engine.parallel.cp_choice import CPChoice, CPMethod
 from engine.parallel.cp_merge import attention_with_lse, merge_partials
-from engine.parallel.cp_shard import Segment, sees
+from engine.parallel.cp_shard import Segment, Visibility, sees
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,18 +117,18 @@ def _attend_block(q: torch.Tensor, queries: tuple[Segment, ...], k: torch.Tensor
     for qs in queries:
         q4 = q[qs.start:qs.end].transpose(0, 1)[None]  # [1, Hq, n, D]
         visible = [(ks, how) for ks in keys if (how := sees(qs.chunk, ks.chunk))]
-        whole = [ks for ks, how in visible if how == "all"]
+        whole = [ks for ks, how in visible if how is Visibility.WHOLE]
         parts = []
         if whole:  # the segments attended whole are contiguous in the block: one call
             lo, hi = whole[0].start, whole[-1].end
             parts.append(attention_with_lse(q4, k4[:, :, lo:hi], v4[:, :, lo:hi], None, scale))
         for ks, how in visible:
-            if how == "causal":
+            if how is Visibility.CAUSAL:
                 parts.append(attention_with_lse(q4, k4[:, :, ks.start:ks.end], v4[:, :, ks.start:ks.end], None, scale,
                                                 causal=True))
         if parts:
-            o, l = merge_partials(torch.stack([o[0] for o, _ in parts]), torch.stack([l[0] for _, l in parts]))
-            out[qs.start:qs.end], lse[qs.start:qs.end] = o.transpose(0, 1), l.transpose(0, 1)
+            o, s = merge_partials(torch.stack([o[0] for o, _ in parts]), torch.stack([s[0] for _, s in parts]))
+            out[qs.start:qs.end], lse[qs.start:qs.end] = o.transpose(0, 1), s.transpose(0, 1)
     return out, lse
 
 

@@ -45,4 +45,5 @@ def choose_cp_method(*, new_tokens: int, cached_tokens: int, cp_size: int, num_h
     miss_rate = T / (T + P)
     if miss_rate >= miss_bound:
         return CPChoice(method=CPMethod.PASS_KV, reason=f"miss rate {miss_rate:.4f} >= {miss_bound:.4f}")
-    return CPChoice(method=CPMethod.PASS_Q, reason=f"miss rate {miss_rate:.4f} < {miss_bound:.4f} and T={T} < {hide_bound:.0f}")
+    return CPChoice(method=CPMethod.PASS_Q,
+                    reason=f"miss rate {miss_rate:.4f} < {miss_bound:.4f} and T={T} < {hide_bound:.0f}")

@@ -32,7 +32,7 @@ class ContextParallelRunner(ModelRunner):
     def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device,
                  ctx: ParallelContext) -> None:
         super().__init__(model, kv_cache, block_size, device)
-        self.group, self.rank, self.world = ctx.cp_group, ctx.cp_rank, ctx.config.cp
+        self.group, self.rank, self.cp_size = ctx.cp_group, ctx.cp_rank, ctx.config.cp
         self.parallel = ctx.config
         self.owned = torch.zeros(kv_cache[0][0].shape[0] * block_size, dtype=torch.bool, device=device)
         self.choices: Counter[CPMethod] = Counter()  # prefill chunks run by each method
@@ -59,14 +59,14 @@ class ContextParallelRunner(ModelRunner):
             first_row = len(token_ids)
             if chunk.num_tokens == 1:
                 offsets = [0]
-                if chunk.start % self.world == self.rank:
+                if chunk.start % self.cp_size == self.rank:
                     write_rows.append(first_row)
                     write_slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
                 decode_tables.append(list(table))
                 decode_lens.append(chunk.end)
                 last_row = first_row if self.rank == 0 else None
             else:
-                shard = shard_tokens(chunk.num_tokens, self.world)[self.rank]
+                shard = shard_tokens(chunk.num_tokens, self.cp_size)[self.rank]
                 offsets = [t for start, end in shard.ranges for t in range(start, end)]
                 write_rows += range(first_row, first_row + len(offsets))
                 write_slots += [table[p // bs] * bs + p % bs for p in shard.positions(chunk.start)]
@@ -106,9 +106,9 @@ class ContextParallelRunner(ModelRunner):
         for chunk in plan.chunks:
             slots += [chunk.block_table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
             if chunk.num_tokens == 1:
-                mine.append(chunk.start % self.world == self.rank)
+                mine.append(chunk.start % self.cp_size == self.rank)
             else:
-                held = set(shard_tokens(chunk.num_tokens, self.world)[self.rank].positions())
+                held = set(shard_tokens(chunk.num_tokens, self.cp_size)[self.rank].positions())
                 mine += [t in held for t in range(chunk.num_tokens)]
         self.owned[torch.tensor(slots, dtype=torch.long)] = torch.tensor(mine, dtype=torch.bool)
 
@@ -130,8 +130,8 @@ class ContextParallelRunner(ModelRunner):
         table = torch.tensor(chunk.block_table, dtype=torch.long, device=dev)
         prefix_slots = table[prefix // bs] * bs + prefix % bs  # [start]
         cached_slots = prefix_slots[self.owned[prefix_slots]]  # [c]: the part of the prefix stored here
-        queries = tuple(query_segments(shard) for shard in shard_tokens(chunk.num_tokens, self.world))
-        cached_counts = torch.empty(self.world, dtype=torch.long)
+        queries = tuple(query_segments(shard) for shard in shard_tokens(chunk.num_tokens, self.cp_size))
+        cached_counts = torch.empty(self.cp_size, dtype=torch.long)
         self.group._allgather_base(cached_counts, torch.tensor([len(cached_slots)])).wait()
         keys = tuple(kv_segments(int(c), q) for c, q in zip(cached_counts, queries))
         choice = self._choose(chunk)
@@ -146,7 +146,7 @@ class ContextParallelRunner(ModelRunner):
         if forced != "auto":
             return CPChoice(method=CPMethod(forced), reason=f"forced by cp_method={forced}")
         cfg = self.model.config
-        return choose_cp_method(new_tokens=chunk.num_tokens, cached_tokens=chunk.start, cp_size=self.world,
+        return choose_cp_method(new_tokens=chunk.num_tokens, cached_tokens=chunk.start, cp_size=self.cp_size,
                                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                 peak_flops=self.parallel.cp_peak_flops, bandwidth=self.parallel.cp_bandwidth,
                                 bytes_per_element=self.kv_cache[0][0].element_size())

@@ -8,6 +8,7 @@ padded to the same length (2 * chunk), as pass-KV sends equal-sized blocks.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -38,16 +39,20 @@ def shard_tokens(num_tokens: int, cp_size: int) -> list[CPShard]:
     return [CPShard(i, cp_size, (chunk_range(i), chunk_range(2 * cp_size - 1 - i)), 2 * chunk) for i in range(cp_size)]
 
 
-CACHED = -1  # the chunk index of a cached prefix: every new token comes after it
-
-
 @dataclass(frozen=True, slots=True)
 class Segment:
     """Rows [start, end) of a rank's query or KV block that hold one chunk (or the cached prefix)."""
 
-    chunk: int
+    chunk: int | None  # the chunk's index among the 2N; None for the cached prefix, before every new token
     start: int
     end: int
+
+
+class Visibility(enum.Enum):
+    """How a query chunk sees a key chunk under causal attention."""
+
+    WHOLE = "whole"  # every key precedes every query
+    CAUSAL = "causal"  # the same chunk: key j is visible to query i when j <= i
 
 
 def query_segments(shard: CPShard) -> tuple[Segment, ...]:
@@ -63,12 +68,12 @@ def query_segments(shard: CPShard) -> tuple[Segment, ...]:
 
 def kv_segments(num_cached: int, queries: tuple[Segment, ...]) -> tuple[Segment, ...]:
     """A rank's KV block: the cached prefix it holds, then its new tokens."""
-    cached = (Segment(CACHED, 0, num_cached),) if num_cached else ()
+    cached = (Segment(None, 0, num_cached),) if num_cached else ()
     return cached + tuple(Segment(s.chunk, s.start + num_cached, s.end + num_cached) for s in queries)
 
 
-def sees(query_chunk: int, key_chunk: int) -> str | None:
-    """How a query chunk sees a key chunk under causal attention: "all", "causal" (the same chunk) or None."""
-    if key_chunk == CACHED or key_chunk < query_chunk:
-        return "all"
-    return "causal" if key_chunk == query_chunk else None
+def sees(query_chunk: int, key_chunk: int | None) -> Visibility | None:
+    """How a query chunk sees a key chunk (None: the cached prefix); None when it does not see it at all."""
+    if key_chunk is None or key_chunk < query_chunk:
+        return Visibility.WHOLE
+    return Visibility.CAUSAL if key_chunk == query_chunk else None

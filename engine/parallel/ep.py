@@ -84,8 +84,9 @@ class ExpertParallelMoE(nn.Module):
         if list(placement) != sorted(placement) or not local:
             raise ValueError(f"placement must give every rank a contiguous ascending range of experts, got {placement}")
         self.gate, self.top_k, self.renormalize = moe.gate, moe.top_k, moe.renormalize
-        self.w_gate_up = nn.Parameter(moe.w_gate_up[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, 2I, D]
-        self.w_down = nn.Parameter(moe.w_down[local[0]:local[-1] + 1].clone(), requires_grad=False)  # [E_l, D, I]
+        mine = slice(local[0], local[-1] + 1)
+        self.w_gate_up = nn.Parameter(moe.w_gate_up[mine].clone(), requires_grad=False)  # [E_l, 2I, D]
+        self.w_down = nn.Parameter(moe.w_down[mine].clone(), requires_grad=False)  # [E_l, D, I]
         self.group = group
         self.exchange = ExpertExchange(group, [placement.count(r) for r in range(group.size())], self.w_gate_up,
                                        self.w_down)

@@ -3,8 +3,9 @@
 An attention instance (prefill or decode, W ranks) attached to an expert instance (R ranks) shares
 with it one process group of W + R ranks, attention ranks first, named by the expert instance and
 formed over its rendezvous store (`ExpertAttachment` in the parallel config; `connect` joins it).
-At every MoE layer each attention rank routes the tokens it is responsible for — its 1/W share when the instance's ranks hold the same
-tokens (TP), every row of its own under CP — and exchanges them with the expert ranks two-shot
+At every MoE layer each attention rank routes the tokens it is responsible for — its 1/W share when
+the instance's ranks hold the same tokens (TP), every row of its own under CP — and exchanges them
+with the expert ranks two-shot
 (`ExpertExchange`: counts, then rows); shared results are all-gathered back inside the instance.
 Expert ranks run `serve_attachment`: the same exchange, layer after layer, with no tokens of their
 own, so one attachment's steps never mix with another's (each has its own group and thread).

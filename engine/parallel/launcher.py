@@ -19,11 +19,9 @@ first thing), so no rank outlives the instance even when rank 0 is killed.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
 from engine.parallel.groups import IDLE, stateless_group
+from engine.parallel.lifetime import die_with_parent
 from engine.step_plan import StepPlan
 
 HOST = "127.0.0.1"
@@ -143,16 +142,6 @@ def _stop(processes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to kill this process when its parent dies; exit now if it already has."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: rank 0 still stops its children when it closes or exits
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _follower_main(port: int, rank: int, parent_pid: int) -> None:

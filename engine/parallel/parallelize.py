@@ -1,12 +1,19 @@
-"""Apply a parallel layout to a built model, from outside: the model code stays single-rank."""
+"""Build one rank's model runner: the model, sharded for the rank's layout from outside (the model code
+stays single-rank), its KV cache (the rank's KV heads only), and the runner that fits the layout."""
 
 from __future__ import annotations
 
-from engine.model import Transformer
+import torch
+
+from engine.kv_cache import allocate_kv_cache
+from engine.model import Transformer, build_model
 from engine.parallel.context import ParallelContext
+from engine.parallel.cp_runner import ContextParallelRunner
 from engine.parallel.ep import shard_for_ep
 from engine.parallel.expert_attach import attach_experts
 from engine.parallel.tp import shard_for_tp
+from engine.runner import ModelRunner
+from engine.weights import Checkpoint, WeightsError
 
 
 def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
@@ -18,3 +25,18 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
     if cfg.experts is not None:  # TP ranks hold the same tokens: each dispatches a share; CP ranks their own rows
         attach_experts(model, ctx.expert_group, cfg.world_size, share_group=ctx.tp_group)
     return model
+
+
+def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
+                 num_blocks: int) -> ModelRunner:
+    """This rank's model (sharded for `ctx`) and KV cache (its KV heads only)."""
+    try:
+        model = build_model(checkpoint.config, checkpoint.weights, device)
+    except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
+        raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
+    parallelize(model, ctx)
+    kv_heads = model.layers[0].self_attn.num_kv_heads
+    kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)
+    if ctx.config.cp > 1:
+        return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
+    return ModelRunner(model, kv_cache, block_size, torch.device(device))

@@ -87,4 +87,5 @@ class SharedMemoryAllReduce:
                 try:
                     os.kill(int(self.pids[rank]), 0)
                 except ProcessLookupError:
-                    raise RuntimeError(f"rank {rank} (pid {self.pids[rank]}) died before all-reduce step {step}") from None
+                    pid = self.pids[rank]
+                    raise RuntimeError(f"rank {rank} (pid {pid}) died before all-reduce step {step}") from None

@@ -3,9 +3,10 @@
 Column-parallel: the fused qkv projection (by query heads and the KV heads they
 read) and gate/up (by intermediate rows). Row-parallel: o_proj and down_proj,
 whose partial outputs are summed by an `AllReducer` (flat/tree/ring by size,
-symmetric-memory one-shot/two-shot on CUDA) in a forward hook — the one place the collective happens. Vocab-parallel embedding
-(rows of the table; out-of-range ids contribute zero, then all-reduce) and LM
-head (local logits, then all-gather). Without expert parallelism, MoE experts are
+symmetric-memory one-shot/two-shot on CUDA) in a forward hook. Vocab-parallel
+embedding (rows of the table; out-of-range ids contribute zero, then the same
+all-reduce) and LM head (local logits, then all-gather). Those are the only
+collectives of a TP step. Without expert parallelism, MoE experts are
 split along their intermediate dimension like a dense MLP.
 
 Heads need not divide evenly: each rank takes a contiguous, balanced range of
@@ -73,8 +74,8 @@ def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: boo
         elif isinstance(mlp, SparseMoE) and shard_experts:
             i0, i1 = split_range(cfg.moe_intermediate_size, tp, rank)
             inter = cfg.moe_intermediate_size
-            mlp.w_gate_up = nn.Parameter(torch.cat([mlp.w_gate_up[:, i0:i1], mlp.w_gate_up[:, inter + i0:inter + i1]], 1),
-                                         requires_grad=False)  # [E, 2I/tp, D]
+            gate_up = torch.cat([mlp.w_gate_up[:, i0:i1], mlp.w_gate_up[:, inter + i0:inter + i1]], 1)  # [E, 2I/tp, D]
+            mlp.w_gate_up = nn.Parameter(gate_up, requires_grad=False)
             mlp.w_down = nn.Parameter(mlp.w_down[:, :, i0:i1].clone(), requires_grad=False)  # [E, D, I/tp]
             mlp.register_forward_hook(reduce)
     v0, v1 = split_range(cfg.vocab_size, tp, rank)

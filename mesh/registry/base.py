@@ -24,9 +24,12 @@ class Role(str, enum.Enum):
 
 
 class InstanceState(str, enum.Enum):
+    """An instance's lifecycle (`mesh.instance`): STARTING -> SERVING -> DRAINING -> STOPPED."""
+
     STARTING = "starting"
     SERVING = "serving"
-    DRAINING = "draining"
+    DRAINING = "draining"  # finishing what it holds, taking nothing new (also after an engine failure)
+    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +45,7 @@ class InstanceInfo:
     total_requests: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    block_size: int = 0  # prefill and decode instances: tokens per KV block
     rendezvous: str = ""  # host:port of a TCPStore for process groups with this instance (expert attachment)
     placement: tuple[int, ...] = ()  # expert instances: the owner EP rank of each expert
 
@@ -76,5 +80,5 @@ class Registry(abc.ABC):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         """For each live instance: how many leading hashes of `chain` it holds."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a registry without connections has nothing to release
         """Release connections; safe to call twice."""

@@ -13,7 +13,8 @@ ROLES = {Role.ROUTER: common_pb2.ROLE_ROUTER, Role.PREFILL: common_pb2.ROLE_PREF
          Role.DECODE: common_pb2.ROLE_DECODE, Role.EXPERT: common_pb2.ROLE_EXPERT}
 STATES = {InstanceState.STARTING: common_pb2.INSTANCE_STATE_STARTING,
           InstanceState.SERVING: common_pb2.INSTANCE_STATE_SERVING,
-          InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING}
+          InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING,
+          InstanceState.STOPPED: common_pb2.INSTANCE_STATE_STOPPED}
 
 
 def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
@@ -21,7 +22,8 @@ def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
         id=info.id, role=ROLES[info.role], address=info.address, pid=info.pid, model=info.model,
         parallel=common_pb2.ParallelLayout(**info.parallel), state=STATES[info.state],
         active_requests=info.active_requests, total_requests=info.total_requests, kv_blocks_used=info.kv_blocks_used,
-        kv_blocks_total=info.kv_blocks_total, rendezvous=info.rendezvous, placement=info.placement)
+        kv_blocks_total=info.kv_blocks_total, block_size=info.block_size, rendezvous=info.rendezvous,
+        placement=info.placement)
 
 
 def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
@@ -30,7 +32,7 @@ def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
         parallel={"tp": m.parallel.tp, "cp": m.parallel.cp, "ep": m.parallel.ep},
         state={v: k for k, v in STATES.items()}[m.state], active_requests=m.active_requests,
         total_requests=m.total_requests, kv_blocks_used=m.kv_blocks_used, kv_blocks_total=m.kv_blocks_total,
-        rendezvous=m.rendezvous, placement=tuple(m.placement))
+        block_size=m.block_size, rendezvous=m.rendezvous, placement=tuple(m.placement))
 
 
 class RegistryService(internal_pb2_grpc.RegistryServicer):
@@ -66,7 +68,8 @@ class GrpcRegistry(Registry):
         self._stub = internal_pb2_grpc.RegistryStub(self._channel)
 
     def register(self, info: InstanceInfo, ttl_s: float) -> None:
-        self._stub.Register(internal_pb2.RegisterRequest(instance=to_message(info), ttl_s=ttl_s), timeout=self.TIMEOUT_S)
+        self._stub.Register(internal_pb2.RegisterRequest(instance=to_message(info), ttl_s=ttl_s),
+                            timeout=self.TIMEOUT_S)
 
     def deregister(self, instance_id: str) -> None:
         self._stub.Deregister(internal_pb2.DeregisterRequest(id=instance_id), timeout=self.TIMEOUT_S)
@@ -76,8 +79,8 @@ class GrpcRegistry(Registry):
         return [from_message(m) for m in self._stub.ListInstances(request, timeout=self.TIMEOUT_S).instances]
 
     def set_block_hashes(self, instance_id: str, hashes: set[int], ttl_s: float) -> None:
-        self._stub.SetBlockHashes(internal_pb2.SetBlockHashesRequest(id=instance_id, hashes=sorted(hashes), ttl_s=ttl_s),
-                                  timeout=self.TIMEOUT_S)
+        request = internal_pb2.SetBlockHashesRequest(id=instance_id, hashes=sorted(hashes), ttl_s=ttl_s)
+        self._stub.SetBlockHashes(request, timeout=self.TIMEOUT_S)
 
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         return dict(self._stub.PrefixHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S).hits)

@@ -28,6 +28,7 @@ class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_STATE_STARTING: _ClassVar[InstanceState]
     INSTANCE_STATE_SERVING: _ClassVar[InstanceState]
     INSTANCE_STATE_DRAINING: _ClassVar[InstanceState]
+    INSTANCE_STATE_STOPPED: _ClassVar[InstanceState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -41,6 +42,7 @@ INSTANCE_STATE_UNSPECIFIED: InstanceState
 INSTANCE_STATE_STARTING: InstanceState
 INSTANCE_STATE_SERVING: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
+INSTANCE_STATE_STOPPED: InstanceState
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")

@@ -397,6 +397,11 @@ class AdminStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/infermesh.v1.Admin/Drain',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -410,7 +415,14 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """On the router: every instance of the mesh, from the registry.
+        """Every instance of the mesh, from the registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Refuse new work, finish in-flight work, deregister and stop. Returns at once (state DRAINING).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -428,6 +440,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListInstances,
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +502,33 @@ class Admin:
             '/infermesh.v1.Admin/ListInstances',
             protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesRequest.SerializeToString,
             protos_dot_infermesh_dot_v1_dot_internal__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Admin/Drain',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.DrainRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.InstanceStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,89 @@
+"""The gRPC edge of the typed failures in `engine.errors`: one table from type to status code.
+
+Every server `mesh.rpc.start_server` builds carries `StatusInterceptor`: a `ServingError` raised by
+any handler (also mid-stream) ends the call with its type's status code and its message. Handlers
+raise the types and never pick codes. A type missing from the table takes the code of its nearest
+base class that is in it; anything else is a bug and reaches gRPC as UNKNOWN. `from_status` reads
+the table backwards: a peer's failed call as a typed error, so a service that relays it (the router)
+raises types too. This module imports
+only `engine.errors` of the engine (plain Python, no torch), so every service may use it.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    KVCacheFull,
+    NoReservation,
+    PeerFailed,
+    RequestError,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+    Unsupported,
+)
+
+STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoReservation: grpc.StatusCode.NOT_FOUND,
+    Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    PeerFailed: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_code(error: ServingError) -> grpc.StatusCode:
+    """The code of the error's type, or of its nearest base class in the table."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.UNKNOWN  # ServingError itself: a failure nobody classified
+
+
+_TYPES_BY_CODE = {code: kind for kind, code in reversed(STATUS_CODES.items())}  # per code its most general type
+
+
+def from_status(code: grpc.StatusCode, message: str) -> ServingError:
+    """A peer's failed call as the type the table gives its code; `PeerFailed` for a code it does not list."""
+    return _TYPES_BY_CODE.get(code, PeerFailed)(message)
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Ends a call whose handler raised a `ServingError` with the table's code and the error's message."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.response_streaming:  # unary_stream or stream_stream: failures may come mid-stream
+            kind = "stream_stream" if handler.request_streaming else "unary_stream"
+            return handler._replace(**{kind: _streaming(getattr(handler, kind))})
+        kind = "stream_unary" if handler.request_streaming else "unary_unary"
+        return handler._replace(**{kind: _unary(getattr(handler, kind))})
+
+
+def _unary(behaviour):
+    def call(request, context):
+        try:
+            return behaviour(request, context)
+        except ServingError as e:
+            context.abort(status_code(e), str(e))
+    return call
+
+
+def _streaming(behaviour):
+    def call(request, context):
+        try:
+            yield from behaviour(request, context)
+        except ServingError as e:
+            context.abort(status_code(e), str(e))
+    return call

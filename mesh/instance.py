@@ -1,0 +1,165 @@
+"""The lifecycle every service instance shares (router, prefill, decode, expert) and its Admin service.
+
+    STARTING --serve()--> SERVING --drain()--> DRAINING --in-flight work done, or timeout--> STOPPED
+                             \\--fail()--> DRAINING (the engine failed: it serves nothing more)
+    stop(), from any state --> STOPPED
+
+- gRPC health (`grpc.health.v1`: every service of the server, and "") says SERVING only in SERVING:
+  NOT_SERVING while STARTING and DRAINING; once STOPPED the server is gone.
+- The registry record carries the state: the heartbeat renews it and every transition publishes it at
+  once, so routers stop sending work to an instance as soon as it drains or fails.
+- New work passes `admit()`, which raises `Draining` (UNAVAILABLE at the gRPC edge) unless SERVING.
+  Work already admitted — a running stream, a KV reservation waiting for its join — goes on.
+- `drain(timeout_s)`: DRAINING, wait until `in_flight()` is 0 or the timeout passed, then `stop()`.
+  `Admin.Drain` begins it and answers at once; the rest runs on a thread of its own.
+- `stop()`: deregister, stop the gRPC server, then `close()` what the service owns. Safe twice and
+  from any thread; `wait()` returns once it is done (a service's main exits then).
+
+A service subclasses `Instance`: it sets `role`, builds its parts, calls `serve(services)` last, and
+overrides `in_flight()`, `describe()` (the fields of its record: load, layout, KV blocks), `close()`
+and, when its Admin status says more than its record, `status()`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Callable, Sequence
+
+from engine.errors import Draining
+from mesh import rpc
+from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
+from mesh.registry.remote import to_message
+from mesh.service import Heartbeat
+from mesh.settings import ServiceSettings
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+
+DRAIN_POLL_S = 0.05
+
+
+class Instance:
+    role: Role
+
+    def __init__(self, settings: ServiceSettings, instance_id: str | None = None,
+                 registry: Registry | None = None) -> None:
+        self.settings = settings
+        self.id = instance_id or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
+        self.registry = registry or connect_registry(settings.registry)
+        self.state = InstanceState.STARTING
+        self.address = ""
+        self.server = self.health = self.heartbeat = None
+        self._lock = threading.Lock()  # transitions
+        self._draining = False  # a drain began (it ends in stop)
+        self._stopped = threading.Event()
+
+    # ---- what a service adds --------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """The service's fields of its registry record (load, layout, KV blocks, ...)."""
+        return {}
+
+    def in_flight(self) -> int:
+        """Work admitted and not finished yet; a drain waits for it to reach 0."""
+        return 0
+
+    def status(self) -> internal_pb2.InstanceStatus:
+        """Admin.Status: the record, plus whatever else the service reports."""
+        return to_message(self.record())
+
+    def close(self) -> None:
+        """Stop what the service owns (engine, ranks, transports); called once, by `stop()`."""
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def serve(self, services: Sequence[tuple[Callable, object, str]],
+              block_hashes: Callable[[], set[int]] | None = None) -> None:
+        """Start the gRPC server with `services` and Admin, enter SERVING and register (heartbeat)."""
+        s = self.settings
+        admin = (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin")
+        self.server, port, self.health = rpc.start_server(s.host, s.port, [*services, admin], serving=False)
+        self.address = f"{s.host}:{port}"
+        with self._lock:
+            self._enter(InstanceState.SERVING)
+        self.heartbeat = Heartbeat(self.registry, self.record, s.heartbeat_s, s.ttl_s, block_hashes=block_hashes)
+
+    def record(self) -> InstanceInfo:
+        return InstanceInfo(id=self.id, role=self.role, address=self.address, pid=os.getpid(),
+                            model=self.settings.model, state=self.state, **self.describe())
+
+    def admit(self) -> None:
+        """The gate of new work: raises `Draining` unless SERVING."""
+        state = self.state
+        if state is not InstanceState.SERVING:
+            raise Draining(f"{self.role.value} instance {self.id} is {state.value}: it takes no new work")
+
+    def fail(self) -> None:
+        """The engine failed: DRAINING from now on (it serves nothing more; an operator or probe stops it)."""
+        with self._lock:
+            if self.state is InstanceState.SERVING:
+                self._enter(InstanceState.DRAINING)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new work, wait for in-flight work (at most `timeout_s`, default the setting), stop."""
+        if self.begin_drain():
+            self.finish_drain(timeout_s)
+
+    def begin_drain(self) -> bool:
+        """Enter DRAINING; False when a drain already began or the instance stopped."""
+        with self._lock:
+            if self._draining or self.state is InstanceState.STOPPED:
+                return False
+            self._draining = True
+            self._enter(InstanceState.DRAINING)
+            return True
+
+    def finish_drain(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.settings.drain_timeout_s if timeout_s is None else timeout_s)
+        while self.in_flight() and time.monotonic() < deadline and not self._stopped.wait(DRAIN_POLL_S):
+            pass
+        self.stop()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.state is InstanceState.STOPPED:
+                return
+            self._enter(InstanceState.STOPPED)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # deregisters
+        if self.server is not None:
+            self.server.stop(grace=None)
+        try:
+            self.close()
+        finally:
+            self._stopped.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until stopped (True) or `timeout_s` passed (False)."""
+        return self._stopped.wait(timeout_s)
+
+    def _enter(self, state: InstanceState) -> None:
+        """Under `_lock`: the new state, told to health checks and (at once) to the registry."""
+        self.state = state
+        if self.health is not None:
+            self.health.set_serving(state is InstanceState.SERVING)
+        if self.heartbeat is not None and state is not InstanceState.STOPPED:
+            self.heartbeat.beat_now()
+
+
+class AdminService(internal_pb2_grpc.AdminServicer):
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+    def Status(self, request, context):
+        return self.instance.status()
+
+    def ListInstances(self, request, context):
+        return internal_pb2.ListInstancesResponse(
+            instances=[to_message(i) for i in self.instance.registry.instances()])
+
+    def Drain(self, request, context):
+        if self.instance.begin_drain():
+            threading.Thread(target=self.instance.finish_drain, args=(request.timeout_s or None,),
+                             name="drain", daemon=True).start()
+        return self.instance.status()
