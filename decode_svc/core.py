@@ -114,8 +114,9 @@ class DecodeCore:
 
         return self._call(run)
 
-    def join(self, request_id: str, first_token: int | None) -> queue.Queue:
-        """The reserved request's KV arrived (`first_token` from prefill), or not (None: recompute here)."""
+    def join(self, request_id: str, first_token: int | None, logprobs: TokenLogprobs | None = None) -> queue.Queue:
+        """The reserved request's KV arrived (`first_token` and its `logprobs` from prefill), or not (None:
+        recompute here)."""
         def run():
             with self.kv_lock:
                 if self.reservations.pop(request_id, None) is None:
@@ -125,7 +126,7 @@ class DecodeCore:
             if first_token is None:
                 self.engine.recompute(request_id)
             else:
-                self._deliver(self.engine.join(request_id, first_token))
+                self._deliver(self.engine.join(request_id, first_token, logprobs))
             return stream
 
         return self._call(run)

@@ -23,7 +23,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.errors import DeadlineExceeded, Unsupported
 from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.tp import head_shard
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.grpc_stream import WIRE_DTYPES
@@ -34,7 +34,7 @@ from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import DecodeSettings
 from mesh.telemetry import server_span
-from protos.convert import FINISH_REASONS, logprobs_message, sampling_kwargs
+from protos.convert import FINISH_REASONS, logprobs_fields, logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 
 EVENT_TIMEOUT_S = 600.0  # the longest gap between two tokens of one request before the stream gives up
@@ -73,7 +73,10 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 stream = self.core.generate(rid, list(request.prompt_token_ids), params)
             else:  # a reservation made before: in-flight work, admitted even while draining
                 ready = request.kv_status == internal_pb2.KV_STATUS_READY
-                stream = self.core.join(rid, request.first_token_id if ready else None)
+                logprobs = None
+                if request.HasField("first_logprobs"):
+                    logprobs = TokenLogprobs(*logprobs_fields(request.first_logprobs))
+                stream = self.core.join(rid, request.first_token_id if ready else None, logprobs)
             finished = threading.Event()
             context.add_callback(lambda: finished.is_set() or self.core.cancel(rid))  # client gone: free its blocks
             tokens = 0

@@ -144,14 +144,15 @@ class EngineCore:
             raise
         return seq
 
-    def join(self, request_id: str, first_token: int) -> StepOutput:
-        """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance."""
+    def join(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """The reserved request's prompt KV is in place and `first_token` was drawn by the prefill instance
+        (with its `logprobs`, when the request asked for them)."""
         seq = self._reserved(request_id)
         self.handoff.join(seq)
         seeded = self._seeded.get(request_id)
         if seeded is not None and not seq.params.greedy:
             torch.rand((), generator=seeded)  # the prefill instance drew the first token: stay in step with one engine
-        return self._append(seq, first_token, None)
+        return self._append(seq, first_token, logprobs)
 
     def recompute(self, request_id: str) -> None:
         """The KV transfer failed: prefill the reserved request here instead."""

@@ -3,12 +3,14 @@
 The engine, kvtransfer and the services raise these; each edge maps them once,
 by type, never by the words of a message: gRPC status codes in `mesh.errors`,
 HTTP statuses in the router's HTTP front. Every message names what was wrong
-and the limit or the value expected.
+and the limit or the value expected; `param` names the request field at fault,
+when one is (the OpenAI error body carries it).
 
     ServingError
     ├── RequestError        the request itself is invalid (a field, a token id, its length)
     ├── KVCacheFull         no room in the KV cache for it now
     ├── NoReservation       it names a KV reservation this instance does not hold
+    ├── UnknownModel        it names a model this mesh does not serve
     ├── Unsupported         this instance cannot do what it asks (another model, a transport it lacks)
     ├── Cancelled           it was cancelled while it ran
     ├── DeadlineExceeded    it ran out of time
@@ -24,6 +26,10 @@ from __future__ import annotations
 class ServingError(Exception):
     """A failure the caller can act on; subclasses say which."""
 
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, if one is
+
 
 class RequestError(ServingError, ValueError):
     """A request the engine refuses; the message names the field and the limit."""
@@ -35,6 +41,10 @@ class KVCacheFull(ServingError):
 
 class NoReservation(ServingError, LookupError):
     """The request names a KV reservation this instance does not hold (never made, expired or ended)."""
+
+
+class UnknownModel(ServingError, LookupError):
+    """The request names a model this mesh does not serve."""
 
 
 class Unsupported(ServingError):

@@ -31,17 +31,17 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         if not self.temperature >= 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}", param="temperature")
         if not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise SamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", param="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
         if any(not s for s in self.stop):
-            raise SamplingParamsError("stop strings must not be empty")
+            raise SamplingParamsError("stop strings must not be empty", param="stop")
 
     @property
     def greedy(self) -> bool:

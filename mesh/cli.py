@@ -160,6 +160,8 @@ def up(
     model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
     host: str = typer.Option("127.0.0.1", help="Interface every process binds."),
     port: int = typer.Option(8000, help="The router's public port (0: any free port)."),
+    http_port: Optional[int] = typer.Option(
+        None, help="Also serve the OpenAI-compatible HTTP API on this port (0: any free port)."),
     prefill: int = typer.Option(1, help="Prefill instances (0: decode instances prefill everything)."),
     prefill_cp: int = typer.Option(1, help="Context-parallel ranks per prefill instance."),
     decode: int = typer.Option(1, help="Decode instances."),
@@ -176,9 +178,10 @@ def up(
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
-    spec = dict(model=model, host=host, port=port, prefill=prefill, prefill_cp=prefill_cp, decode=decode,
-                decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens, kv_transport=kv_transport,
-                experts=experts, expert_ep=expert_ep, registry=registry, trace=trace, metrics=metrics, dtype=dtype)
+    spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
+                decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
+                kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
+                metrics=metrics, dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             supervisor.check_children()
@@ -223,7 +226,8 @@ def _mesh(spec: dict, log_dir: str | None):
         signal.signal(sig, lambda *_: stop.set())
     try:
         address = supervisor.start()
-        typer.echo(f"infermesh ready on {address}  (logs: {supervisor.log_dir})")
+        http = f"OpenAI API: http://{supervisor.http_address}/v1; " if supervisor.http_address else ""
+        typer.echo(f"infermesh ready on {address}  ({http}logs: {supervisor.log_dir})")
         yield supervisor, stop
     except MeshError as e:
         typer.echo(f"error: {e}", err=True)
@@ -252,7 +256,7 @@ def status(
     instances = [from_message(m) for m in found.instances]
     if as_json:
         keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
-                "kv_blocks_total")
+                "kv_blocks_total", "http_address")
         rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
         sys.stdout.write(json.dumps({"instances": rows}) + "\n")
         return

@@ -24,6 +24,7 @@ from engine.errors import (
     ServingError,
     Unauthenticated,
     Unavailable,
+    UnknownModel,
     Unsupported,
 )
 
@@ -31,6 +32,7 @@ STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
     RequestError: grpc.StatusCode.INVALID_ARGUMENT,
     KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoReservation: grpc.StatusCode.NOT_FOUND,
+    UnknownModel: grpc.StatusCode.NOT_FOUND,
     Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
     Cancelled: grpc.StatusCode.CANCELLED,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,

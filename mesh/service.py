@@ -66,7 +66,8 @@ def serve(role: str, settings_class, start, argv: list[str] | None = None) -> No
     settings = load(settings_class, parse_flags(settings_class, argv))
     setup_tracing(settings.trace, role)
     instance = start(settings)
-    print(f"{role} {instance.id} serving on {instance.address}", flush=True)
+    http = instance.record().http_address
+    print(f"{role} {instance.id} serving on {instance.address}" + (f" (http {http})" if http else ""), flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -77,9 +77,14 @@ class RouterSettings(ServiceSettings):
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode prefills uncached parts this short
     request_timeout_s: float = 300.0
     kv_transport: str = "grpc_stream"  # how prefill pushes KV to decode: a name in kvtransfer.transports
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
+    # when set, the public API (gRPC and HTTP) needs `authorization: Bearer <token>`; never shown in a repr
+    api_token: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
         super(RouterSettings, self).__post_init__()
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.policy not in ("round_robin", "least_load", "prefix_aware"):
             raise ValueError(f"policy must be round_robin, least_load or prefix_aware, got {self.policy!r}")
 
@@ -115,7 +120,10 @@ def parse_flags(cls: type[ServiceSettings], argv: list[str] | None = None) -> di
     return vars(parser.parse_args(argv))
 
 
-def _parse(text: str, kind: type, name: str) -> object:
+def _parse(text: str, kind, name: str) -> object:
+    optional = [k for k in typing.get_args(kind) if k is not type(None)]
+    if optional:  # `X | None`: X, or None spelled "none" or ""
+        return None if text.lower() in ("", "none") else _parse(text, optional[0], name)
     try:
         if kind is bool:
             if text.lower() not in ("1", "0", "true", "false", "yes", "no"):

@@ -46,6 +46,7 @@ class MeshSpec:
     decode_tp: int = 1
     local_prefill_max_tokens: int = 64  # the router prefills shorter uncached parts on decode
     kv_transport: str = "grpc_stream"  # or torch_p2p
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP front (0: any free port; None: off)
     experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
     expert_ep: int = 1  # EP ranks per expert instance
     registry: str = "memory"
@@ -79,6 +80,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.registry_server = None
         self.router_address = ""
+        self.http_address = ""  # the router's HTTP front, when asked for
 
     def start(self) -> str:
         """Start everything and wait until it serves; returns the router's address."""
@@ -107,12 +109,13 @@ class Supervisor:
             for i in range(s.decode):
                 self._spawn(f"decode-{i}", "decode_svc.server",
                             common + engine + ["--tp", str(s.decode_tp)] + attach(s.prefill + i))
-            self._spawn("router", "router.server", common + [
+            http = ["--http-port", str(s.http_port)] if s.http_port is not None else []
+            self._spawn("router", "router.server", common + http + [
                 "--port", str(s.port), "--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
                 "--kv-transport", s.kv_transport])
             (router,) = self._wait_for(registry, {Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
                                        returning=Role.ROUTER, healthy=True)
-            self.router_address = router.address
+            self.router_address, self.http_address = router.address, router.http_address
         except BaseException:
             self.stop()
             raise

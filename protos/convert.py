@@ -30,6 +30,11 @@ def sampling_message(params) -> common_pb2.SamplingParams:
                                      logprobs=params.logprobs)
 
 
+def logprobs_fields(message: common_pb2.TokenLogprobs) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """The fields of the engine's TokenLogprobs (token_id, logprob, top), from a message."""
+    return (message.chosen.token_id, message.chosen.logprob, tuple((t.token_id, t.logprob) for t in message.top))
+
+
 def logprobs_message(lp) -> common_pb2.TokenLogprobs:
     """From the engine's TokenLogprobs (token_id, logprob, top: [(id, logprob)])."""
     return common_pb2.TokenLogprobs(chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),

@@ -25,3 +25,11 @@ def test_values_are_validated():
         load(RouterSettings, {"heartbeat_s": 5.0}, {})
     with pytest.raises(ValueError, match="unknown setting"):
         load(RouterSettings, {"tp": 2}, {})
+
+
+def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():
+    assert load(RouterSettings, {}, {"INFERMESH_HTTP_PORT": "none"}).http_port is None
+    settings = load(RouterSettings, {}, {"INFERMESH_HTTP_PORT": "0", "INFERMESH_API_TOKEN": "s3cret"})
+    assert settings.http_port == 0 and settings.api_token == "s3cret" and "s3cret" not in repr(settings)
+    with pytest.raises(ValueError, match="INFERMESH_HTTP_PORT='eighty' is not a valid int"):
+        load(RouterSettings, {}, {"INFERMESH_HTTP_PORT": "eighty"})

@@ -96,20 +96,22 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_locally", "prompt_token_ids", "sampling", "first_token_id", "kv_status")
+    __slots__ = ("request_id", "prefill_locally", "prompt_token_ids", "sampling", "first_token_id", "kv_status", "first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_STATUS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_locally: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     first_token_id: int
     kv_status: KVStatus
-    def __init__(self, request_id: _Optional[str] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ...) -> None: ...
+    first_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -196,7 +198,7 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous", "placement", "expert_load", "attached", "block_size")
+    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous", "placement", "expert_load", "attached", "block_size", "http_address")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class InstanceStatus(_message.Message):
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.Role
     address: str
@@ -229,7 +232,8 @@ class InstanceStatus(_message.Message):
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
     attached: _containers.RepeatedScalarFieldContainer[str]
     block_size: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ..., placement: _Optional[_Iterable[int]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., attached: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    http_address: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ..., placement: _Optional[_Iterable[int]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., attached: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., http_address: _Optional[str] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "tokens")

@@ -1,0 +1,197 @@
+"""The one path every face of the router calls (the gRPC `Inference` service and the OpenAI-compatible
+HTTP front): checks, prompts, routing, and the stream of `GenerateResponse`s with retries.
+
+For each request: pick a decode instance and decide where to prefill (router.policy);
+disaggregated, it calls Reserve on decode, Prefill on the prefill instance (which
+pushes the KV to decode), then Decode; otherwise Decode with prefill_locally.
+Every hop gets the caller's deadline and the W3C trace context; when the client
+leaves or its deadline passes, the downstream stream is cancelled and the decode
+instance frees the request's blocks. Prompts are hashed for prefix hits in the KV
+block size the decode instances publish.
+
+A face hands `stream` a `call`: gRPC's servicer context, or any object with the
+same four methods — `time_remaining()`, `is_active()`, `add_callback(fn)` (run
+when the call ends, also early) and `invocation_metadata()` (the caller's trace
+context). Failures are typed (`engine.errors`); each face maps them. Plain Python:
+no torch in the router process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from engine.block_manager import prefix_hashes
+from engine.errors import RequestError, Unauthenticated, UnknownModel
+from engine.model_info import load_model_info
+from engine.sampling_params import SamplingParams
+from kvtransfer import transports
+from mesh import rpc
+from mesh.errors import from_status
+from mesh.registry import Registry, Role
+from mesh.settings import RouterSettings
+from mesh.telemetry import outgoing_metadata, server_span, tracer
+from protos.convert import sampling_kwargs
+from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
+from router.policy import NoInstance, route
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class RouterCore:
+    def __init__(self, settings: RouterSettings, registry: Registry, admit: Callable[[], None]) -> None:
+        """`admit()`: the instance's gate for new work (raises `Draining` unless it serves)."""
+        self.settings, self.registry, self._admit = settings, registry, admit
+        self.config, self.tokenizer = load_model_info(settings.model)
+        self.kv_transport = transports.by_name(settings.kv_transport).wire
+        self.channels = rpc.ChannelPool()
+        self._turns = itertools.count()
+        self._lock = threading.Lock()
+        self.active = 0  # streams being served
+
+    # ---- checks and prompts (both faces) ---------------------------------------------------
+
+    def admit(self, authorization: str | None, model: str = "") -> None:
+        """A new request: the instance serves, the caller's `Bearer` token is right (when one is set) and
+        it asks for the model served here ("" means that one)."""
+        self._admit()
+        expected = self.settings.api_token
+        if expected:
+            given = (authorization or "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                raise Unauthenticated("a valid API token is required: 'authorization: Bearer <token>'")
+        if model and model != self.settings.model:
+            raise UnknownModel(f"model {model!r} is not served here; served: {self.settings.model!r}", param="model")
+
+    def prompt_ids(self, text: str | None = None, ids: list[int] | None = None) -> list[int]:
+        if ids is not None:
+            return list(ids)
+        if not text:
+            raise RequestError("prompt: give text or token ids (neither was set)", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        """(role, content) pairs through the model's chat template."""
+        if not messages:
+            raise RequestError("messages must not be empty", param="messages")
+        for i, (role, _) in enumerate(messages):
+            if role not in CHAT_ROLES:
+                raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                   param="messages")
+        try:
+            return self.tokenizer.encode_chat([{"role": role, "content": content} for role, content in messages])
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", param="messages") from None
+
+    def model_card(self) -> inference_pb2.ModelCard:
+        cfg = self.config
+        return inference_pb2.ModelCard(id=self.settings.model, architecture=cfg.architecture,
+                                       max_model_len=cfg.max_model_len, vocab_size=cfg.vocab_size)
+
+    # ---- the stream ------------------------------------------------------------------------
+
+    def stream(self, ids: list[int], sampling: common_pb2.SamplingParams, request_id: str,
+               call) -> Iterator[inference_pb2.GenerateResponse]:
+        """Deltas, then one final response (with the prompt's ids and timings), of one admitted request."""
+        started = time.monotonic()
+        try:
+            SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
+        except RequestError as e:
+            raise RequestError(f"sampling: {e}", param=e.param) from None
+        if not ids:
+            raise RequestError("prompt must not be empty", param="prompt")
+        with self._lock:
+            self.active += 1
+        try:
+            yield from self._stream(request_id, ids, sampling, call, started)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def _stream(self, rid: str, ids: list[int], sampling, call, started: float):
+        with server_span(call, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
+            failed: set[str] = set()  # decode instances that were unreachable for this request
+            while True:
+                chosen = self._route(ids, failed)
+                streamed = False
+                try:
+                    for response in self._attempt(rid, ids, sampling, chosen, call, started):
+                        streamed = True
+                        if response.HasField("final"):
+                            span.set_attribute("completion_tokens", response.final.usage.completion_tokens)
+                        yield response
+                    return
+                except grpc.RpcError as e:
+                    if e.code() is grpc.StatusCode.UNAVAILABLE and not streamed and call.is_active():
+                        failed.add(chosen.decode.id)  # gone before its first token: try another instance
+                        span.add_event("retry", {"unavailable": chosen.decode.id})
+                        continue
+                    raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
+
+    def _route(self, ids: list[int], failed: set[str]):
+        with tracer().start_as_current_span("router.route") as route_span:
+            decodes = [d for d in self.registry.instances(Role.DECODE) if d.id not in failed]
+            block_size = next((d.block_size for d in decodes if d.block_size), 0)  # one for all: decode enforces it
+            hits = self.registry.prefix_hits(prefix_hashes(ids, block_size)) if block_size else {}
+            try:
+                chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=self.registry.instances(Role.PREFILL),
+                               policy=self.settings.policy, turn=next(self._turns), prefix_hits=hits,
+                               block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
+            except NoInstance as e:
+                raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) from None
+            route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
+                                       "prefill": chosen.prefill.id if chosen.prefill else ""})
+        return chosen
+
+    def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, started: float):
+        """One try on the chosen instances: the responses to forward, the final one completed with timings."""
+        metadata = outgoing_metadata()
+        decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
+        if chosen.prefill is None:
+            request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                                 sampling=sampling)
+        else:
+            request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
+        responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
+        call.add_callback(responses.cancel)  # the client left: stop the work downstream
+        first_at = None
+        for response in responses:
+            if response.HasField("delta"):
+                first_at = first_at or time.monotonic()
+            else:
+                final, end = response.final, time.monotonic()
+                final.request_id = rid
+                final.prompt_token_ids[:] = ids
+                tokens = final.usage.completion_tokens
+                final.timings.CopyFrom(common_pb2.Timings(
+                    ttft_s=(first_at or end) - started, total_s=end - started,
+                    tokens_per_s=(tokens - 1) / (end - first_at)
+                    if first_at and end > first_at and tokens > 1 else 0.0))
+            yield response
+
+    def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
+        target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                                            transport=self.kv_transport),
+                                timeout=timeout, metadata=metadata).target
+        try:
+            prefill = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address))
+            done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                                               target=target), timeout=timeout, metadata=metadata)
+        except grpc.RpcError:  # the prefill instance failed: decode recomputes the prompt in its reservation
+            return internal_pb2.DecodeRequest(request_id=rid, kv_status=internal_pb2.KV_STATUS_FAILED)
+        logprobs = done.first_logprobs if done.HasField("first_logprobs") else None
+        return internal_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id, kv_status=done.kv_status,
+                                          first_logprobs=logprobs)
+
+    def _remaining(self, call) -> float:
+        remaining = call.time_remaining()
+        limit = self.settings.request_timeout_s
+        return min(remaining, limit) if remaining is not None else limit
+
+    def close(self) -> None:
+        self.channels.close()

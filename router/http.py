@@ -1,0 +1,277 @@
+"""The router's OpenAI-compatible HTTP front: Starlette on uvicorn, in a thread of the router process.
+
+    GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health
+
+Every request goes the gRPC face's way: `RouterCore.admit`, prompts, then `RouterCore.stream` once per
+choice (one thread each, so each stream keeps its trace context and blocking calls off the event loop),
+with an `HttpCall` standing in for gRPC's context: the router's request timeout as the deadline, the
+client's headers as trace context (W3C `traceparent` honoured), and callbacks that cancel the work
+downstream when the client disconnects (watched for the whole request, streamed or not) — decode then
+frees the request's KV blocks. Failures are the same types as on gRPC, mapped by
+`openai_api.HTTP_STATUSES` to statuses and OpenAI error bodies; one that happens after a stream started
+is sent as an `error` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from dataclasses import replace
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from engine.errors import PeerFailed, RequestError, ServingError
+from router import openai_api
+from router.core import RouterCore
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class HttpCall:
+    """What `RouterCore.stream` needs of a call, for one HTTP request (thread-safe)."""
+
+    def __init__(self, headers: list[tuple[str, str]], timeout_s: float) -> None:
+        self.headers, self.deadline = headers, time.monotonic() + timeout_s
+        self._callbacks: list = []
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def time_remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return not self._ended
+
+    def add_callback(self, fn) -> bool:
+        with self._lock:
+            if not self._ended:
+                self._callbacks.append(fn)
+                return True
+        fn()  # already over: at once
+        return True
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.headers
+
+    def end(self) -> None:
+        """The request is over (done, or the client left): run the callbacks once."""
+        with self._lock:
+            callbacks, self._callbacks, self._ended = self._callbacks, [], True
+        for fn in callbacks:
+            fn()
+
+
+def error_response(error: ServingError) -> JSONResponse:
+    status, body = openai_api.error_body(error)
+    return JSONResponse(body, status_code=status)
+
+
+class OpenAIResponse:
+    """The ASGI response of one admitted request: its choices run in threads while the client is watched;
+    then one JSON body, or (`stream`) server-sent events as tokens arrive."""
+
+    def __init__(self, core: RouterCore, job: openai_api.Job, prompt_ids: list[list[int]], call: HttpCall) -> None:
+        self.core, self.job, self.prompt_ids, self.call = core, job, prompt_ids, call
+        self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(self._watch, receive)
+            try:
+                await (self._stream(send) if self.job.stream else self._whole(scope, send))
+            except OSError:  # the client is gone (the watcher ended the call already, or will)
+                pass
+            finally:
+                self.call.end()
+                watching.cancel_scope.cancel()
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.call.end()  # the client left: cancel the work downstream now
+
+    async def _choices(self):
+        """(choice index, GenerateResponse | ServingError | None at its end), from one thread per choice."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        n = self.job.n
+        for p, ids in enumerate(self.prompt_ids):
+            for i in range(n):
+                threading.Thread(target=self._produce, args=(loop, queue, p * n + i, ids, i), daemon=True,
+                                 name="http-choice").start()
+        running = len(self.prompt_ids) * n
+        while running:
+            index, item = await queue.get()
+            running -= item is None
+            yield index, item
+
+    def _produce(self, loop, queue, index: int, ids: list[int], choice: int) -> None:
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+            except RuntimeError:  # the event loop is gone: the server is stopping
+                pass
+
+        try:
+            for response in self.core.stream(ids, self._sampling(ids, choice), f"{self.id}-{index}", self.call):
+                put(response)
+        except ServingError as e:
+            put(e)
+        except Exception as e:  # noqa: BLE001 - a bug must still end the choice, and say so
+            put(PeerFailed(f"the router failed: {e!r}"))
+        finally:
+            put(None)
+
+    def _sampling(self, ids: list[int], choice: int):
+        sampling = self.job.choice_sampling(choice)
+        if not sampling.HasField("max_tokens"):  # chat without a limit: the rest of the context
+            sampling.max_tokens = max(1, self.core.config.max_model_len - len(ids))
+        return sampling
+
+    def _token_text(self, token_id: int) -> str:
+        return self.core.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _whole(self, scope, send) -> None:
+        choices = [openai_api.Choice(index) for index in range(len(self.prompt_ids) * self.job.n)]
+        error = None
+        async for index, item in self._choices():
+            if isinstance(item, ServingError):
+                error = error or item
+                self.call.end()  # one choice failed: the answer fails, stop the others
+            elif item is not None:
+                openai_api.accumulate(choices[index], item)
+        if error is None:
+            body = openai_api.response_body(self.job, self.id, self.created, choices, self._token_text)
+            response = JSONResponse(body)
+        else:
+            response = error_response(error)
+        await response(scope, _no_receive, send)
+
+    async def _stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        choices = [openai_api.Choice(index) for index in range(len(self.prompt_ids) * self.job.n)]
+        if self.job.chat:
+            for choice in choices:
+                await _event(send, openai_api.chunk(self.job, self.id, self.created, choice.index, role=True))
+        failed = False
+        async for index, item in self._choices():
+            if isinstance(item, ServingError):
+                if not failed:
+                    await _event(send, openai_api.error_body(item)[1])
+                failed = True
+                self.call.end()
+            elif item is not None and not failed:
+                await self._send_delta(send, choices[index], item)
+        if self.job.include_usage and not failed:
+            await _event(send, openai_api.usage_chunk(self.job, self.id, self.created, choices))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _send_delta(self, send, choice: openai_api.Choice, response) -> None:
+        openai_api.accumulate(choice, response)
+        if response.HasField("delta"):
+            delta = response.delta
+            logprobs = None
+            if self.job.sampling.HasField("logprobs"):
+                logprobs = (openai_api.chat_logprobs(delta.logprobs, self._token_text) if self.job.chat else
+                            openai_api.completion_logprobs(delta.logprobs, self._token_text,
+                                                           len(choice.text) - len(delta.text)))
+            if delta.text or logprobs:
+                await _event(send, openai_api.chunk(self.job, self.id, self.created, choice.index, text=delta.text,
+                                                    logprobs=logprobs))
+        else:
+            await _event(send, openai_api.chunk(self.job, self.id, self.created, choice.index,
+                                                finish_reason=choice.finish_reason))
+
+
+async def _event(send, body: dict) -> None:
+    await send({"type": "http.response.body", "body": f"data: {json.dumps(body)}\n\n".encode(), "more_body": True})
+
+
+async def _no_receive():
+    return {"type": "http.disconnect"}
+
+
+class HttpFront:
+    """Serves the OpenAI API for `core` on host:port (0: any free port) until `stop()`."""
+
+    def __init__(self, core: RouterCore, host: str, port: int, health) -> None:
+        """`health()`: whether the router serves (GET /health says 200, else 503)."""
+        self.core, self.health = core, health
+        app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/health", self.health_check, methods=["GET"]),
+        ])
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                                    timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http-front",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP front did not start on {self.address}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+    # ---- endpoints ------------------------------------------------------------------------
+
+    async def models(self, request: Request):
+        try:
+            self.core.admit(request.headers.get("authorization"))
+        except ServingError as e:
+            return error_response(e)
+        card = self.core.model_card()
+        model = {"id": card.id, "object": "model", "created": 0, "owned_by": "infermesh",
+                 "max_model_len": card.max_model_len}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health_check(self, request: Request):
+        serving = self.health()
+        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+    async def completions(self, request: Request):
+        return await self._serve(request, openai_api.parse_completion)
+
+    async def chat(self, request: Request):
+        return await self._serve(request, openai_api.parse_chat)
+
+    async def _serve(self, request: Request, parse):
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not valid JSON: {e}") from None
+            job = parse(body)
+            self.core.admit(request.headers.get("authorization"), job.model)
+            job = replace(job, model=job.model or self.core.settings.model)
+            prompt_ids = await run_in_threadpool(self._prompt_ids, job)
+        except ServingError as e:
+            return error_response(e)
+        call = HttpCall(list(request.headers.items()), self.core.settings.request_timeout_s)
+        return OpenAIResponse(self.core, job, prompt_ids, call)
+
+    def _prompt_ids(self, job: openai_api.Job) -> list[list[int]]:
+        if job.chat:
+            return [self.core.chat_ids(messages) for messages in job.prompts]
+        return [self.core.prompt_ids(ids=p) if isinstance(p, list) else self.core.prompt_ids(text=p)
+                for p in job.prompts]
