@@ -21,6 +21,7 @@ from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
 from tests.test_lifecycle import hold_steps, wait_until
+from tests.test_mesh_processes import cli, start_mesh, stop_mesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "system", "content": "def main(): return 42"}, {"role": "user", "content": "hello world"}]
@@ -178,12 +179,20 @@ def test_unauthenticated_overloaded_unavailable_and_timed_out_requests_get_401_4
         wait_until(lambda: len(registry.instances()) == 5)
         secured, plain, lonely, hasty = (f"http://{r.http.address}/v1" for r in routers)
 
-        def client(base: str, key: str = "none"):
-            return openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+        def refused(base: str, status: int, kind: str, words: str, error_class, body=None, key: str = "none"):
+            """The same request through the openai client and raw HTTP: one status, one OpenAI error body."""
+            body = body or {"model": str(folder), "prompt": PROMPT, "max_tokens": 2}
+            with pytest.raises(error_class) as e:
+                openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(**body)
+            raw = httpx.post(f"{base}/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
+            error = raw.json()["error"]
+            assert e.value.status_code == raw.status_code == status and set(error) == {"message", "type", "param",
+                                                                                       "code"}
+            assert error["type"] == kind and words in error["message"] and words in e.value.body["message"]
 
-        with pytest.raises(openai.AuthenticationError):
-            client(secured).completions.create(model=str(folder), prompt=PROMPT, max_tokens=2)
-        assert client(secured, "s3cret").completions.create(model=str(folder), prompt=PROMPT, max_tokens=2).choices
+        refused(secured, 401, "authentication_error", "API token is required", openai.AuthenticationError)
+        assert openai.OpenAI(base_url=secured, api_key="s3cret", max_retries=0).completions.create(
+            model=str(folder), prompt=PROMPT, max_tokens=2).choices
         with grpc.insecure_channel(routers[0].address) as ch:  # the gRPC face asks for the same token
             with pytest.raises(grpc.RpcError) as e:
                 inference_pb2_grpc.InferenceStub(ch).ListModels(inference_pb2.ListModelsRequest(), timeout=10)
@@ -191,17 +200,13 @@ def test_unauthenticated_overloaded_unavailable_and_timed_out_requests_get_401_4
 
         holder = internal_pb2_grpc.DecodeStub(channel(decode.address))  # hold 7 of decode's 8 blocks
         holder.Reserve(internal_pb2.ReserveRequest(request_id="holder", prompt_token_ids=[5] * 100), timeout=10)
-        with pytest.raises(openai.RateLimitError) as e:  # 40 tokens, disaggregated: no room to reserve
-            client(plain).completions.create(model=str(folder), prompt=[6] * 40, max_tokens=2)
-        assert "free blocks" in e.value.body["message"]
+        refused(plain, 429, "rate_limit_error", "free blocks", openai.RateLimitError,  # 40 tokens: disaggregated
+                body={"model": str(folder), "prompt": [6] * 40, "max_tokens": 2})
         holder.Cancel(internal_pb2.CancelRequest(request_id="holder"), timeout=10)
-
-        with pytest.raises(openai.InternalServerError) as e:
-            client(lonely).completions.create(model=str(folder), prompt=PROMPT, max_tokens=2)
-        assert e.value.status_code == 503 and "no decode instance is serving" in e.value.body["message"]
-        raw = httpx.post(f"{hasty}/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert raw.status_code == 504 and raw.json()["error"]["type"] == "timeout"
-        assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
+        refused(lonely, 503, "service_unavailable", "no decode instance is serving", openai.InternalServerError)
+        refused(hasty, 504, "timeout", "Deadline Exceeded", openai.InternalServerError)
+        assert openai.OpenAI(base_url=plain, api_key="none", max_retries=0).completions.create(
+            model=str(folder), prompt=[6] * 40, max_tokens=2).choices  # the room is back: served
     finally:
         for instance in (*routers, prefill, decode):
             instance.stop()
@@ -243,3 +248,25 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_decode(mesh):
     finally:
         core.engine.step = step
         del core.cancel
+
+
+def test_an_http_request_continues_the_clients_trace_across_the_mesh(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    spans_file = tmp_path / "spans.jsonl"
+    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--http-port", "0",
+                               "--local-prefill-max-tokens", "8")
+    instances = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    (http,) = [i["http_address"] for i in instances if i["role"] == "router"]
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        answer = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                            headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+                            json={"prompt": PROMPT * 4, "max_tokens": 3, "temperature": 0})
+        assert answer.status_code == 200
+    finally:
+        stop_mesh(proc, [i["pid"] for i in instances])
+    spans = {s["name"]: s for s in map(json.loads, spans_file.read_text().splitlines())}
+    assert {"router.generate", "decode.reserve", "prefill.run", "decode.request"} <= set(spans)  # disaggregated
+    assert {s["trace_id"] for s in spans.values()} == {trace_id}  # one trace: the client's
+    assert spans["router.generate"]["parent_id"] == client_span
+    assert spans["decode.request"]["parent_id"] == spans["router.generate"]["span_id"]
