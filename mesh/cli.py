@@ -261,13 +261,13 @@ def status(
         sys.stdout.write(json.dumps({"instances": rows}) + "\n")
         return
     header = (f"{'ROLE':8} {'ID':18} {'ADDRESS':22} {'PID':>7} {'TP/CP/EP':9} {'STATE':9} {'ACTIVE':>6} {'TOTAL':>6} "
-              "KV BLOCKS")
+              f"{'KV BLOCKS':>11} HTTP")
     typer.echo(header)
     for i in instances:
         layout = "/".join(str(i.parallel.get(k, 1)) for k in ("tp", "cp", "ep"))
         blocks = f"{i.kv_blocks_used}/{i.kv_blocks_total}" if i.kv_blocks_total else "-"
         typer.echo(f"{i.role.value:8} {i.id:18} {i.address:22} {i.pid:>7} {layout:9} {i.state.value:9} "
-                   f"{i.active_requests:>6} {i.total_requests:>6} {blocks}")
+                   f"{i.active_requests:>6} {i.total_requests:>6} {blocks:>11} {i.http_address or '-'}")
 
 
 if __name__ == "__main__":
