@@ -30,6 +30,7 @@ from kvtransfer.grpc_stream import WIRE_DTYPES
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.instance import Instance
+from mesh.metrics import ENGINE_LOAD
 from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import DecodeSettings
@@ -96,6 +97,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 if event.finish_reason:
                     finished.set()
                     span.set_attribute("completion_tokens", tokens)
+                    self.instance.prefix_cache_hits.add(event.usage["cached_prompt_tokens"])
                     yield inference_pb2.GenerateResponse(final=inference_pb2.Final(
                         request_id=rid, finish_reason=FINISH_REASONS[event.finish_reason],
                         usage=common_pb2.Usage(**event.usage)))
@@ -126,6 +128,9 @@ class DecodeInstance(Instance):
                             ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers)
         store = engine.executor.store if s.tp > 1 else None
         self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail()).start()
+        self.metrics.gauges(engine.load, ENGINE_LOAD)
+        self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
+                                                      "Prompt tokens whose KV the prefix cache already held")
         self.links = rpc.Links(s.host)
         receiver = KVReceiver(engine.kv_cache, self.core.reservations.get, self.core.kv_lock)
         self.endpoints = open_endpoints(0, s.tp, receiver, self.links, shared)

@@ -205,6 +205,11 @@ class EngineCore:
         if isinstance(self.executor, ParallelExecutor):
             self.executor.close()
 
+    def load(self) -> dict[str, int]:
+        """Requests running and waiting, KV blocks used and in all: plain counts, readable from any thread."""
+        return {"requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.blocks.num_used_blocks, "kv_blocks_total": self.blocks.num_blocks}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -30,7 +30,6 @@ from mesh.instance import Instance
 from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import ExpertSettings
-from mesh.telemetry import setup_metrics
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 
@@ -75,11 +74,9 @@ class ExpertInstance(Instance):
             except BaseException as e:
                 raise self.ranks.failure(e) from e
         self.rank = ExpertRank(self.shard, 0, s.ep, self.book.address)
-        self.meter_provider = setup_metrics(s.metrics, "expert", s.metrics_interval_s)
-        if self.meter_provider:
-            self.meter_provider.get_meter("infermesh").create_observable_counter(
-                "infermesh.expert.tokens", callbacks=[self._observe_tokens], unit="{token}",
-                description="Tokens each expert computed, per MoE layer (attributes: layer, expert)")
+        self.metrics.meter.create_observable_counter(
+            "infermesh_expert_tokens", callbacks=[self._observe_tokens], unit="{token}",
+            description="Tokens each expert computed, per MoE layer (labels: layer, expert)")
         self.serve([(internal_pb2_grpc.add_ExpertServicer_to_server, ExpertService(self), "infermesh.v1.Expert")])
 
     def _observe_tokens(self, options):
@@ -117,8 +114,7 @@ class ExpertInstance(Instance):
         return status
 
     def close(self) -> None:
-        if self.meter_provider:
-            self.meter_provider.shutdown()  # a last export, while the ranks can still report
+        self.metrics.shutdown()  # a last export, while the ranks can still report
         self.rank.stop()
         if self.ranks:
             self.ranks.close()

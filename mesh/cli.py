@@ -256,7 +256,7 @@ def status(
     instances = [from_message(m) for m in found.instances]
     if as_json:
         keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
-                "kv_blocks_total", "http_address")
+                "kv_blocks_total", "http_address", "metrics_url")
         rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
         sys.stdout.write(json.dumps({"instances": rows}) + "\n")
         return

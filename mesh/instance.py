@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 from engine.errors import Draining
 from mesh import rpc
+from mesh.metrics import Metrics
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.registry.remote import to_message
 from mesh.service import Heartbeat
@@ -50,6 +51,7 @@ class Instance:
         self.state = InstanceState.STARTING
         self.address = ""
         self.server = self.health = self.heartbeat = None
+        self.metrics = Metrics(self.role.value, settings.metrics, settings.metrics_interval_s)
         self._lock = threading.Lock()  # transitions
         self._draining = False  # a drain began (it ends in stop)
         self._stopped = threading.Event()
@@ -80,13 +82,15 @@ class Instance:
         admin = (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin")
         self.server, port, self.health = rpc.start_server(s.host, s.port, [*services, admin], serving=False)
         self.address = f"{s.host}:{port}"
+        self.metrics.serve(s.host, s.metrics_port)
         with self._lock:
             self._enter(InstanceState.SERVING)
         self.heartbeat = Heartbeat(self.registry, self.record, s.heartbeat_s, s.ttl_s, block_hashes=block_hashes)
 
     def record(self) -> InstanceInfo:
         return InstanceInfo(id=self.id, role=self.role, address=self.address, pid=os.getpid(),
-                            model=self.settings.model, state=self.state, **self.describe())
+                            model=self.settings.model, state=self.state, metrics_url=self.metrics.url,
+                            **self.describe())
 
     def admit(self) -> None:
         """The gate of new work: raises `Draining` unless SERVING."""
@@ -132,6 +136,7 @@ class Instance:
         try:
             self.close()
         finally:
+            self.metrics.shutdown()  # a last push, after the service's own parts stopped
             self._stopped.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:

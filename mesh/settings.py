@@ -25,6 +25,7 @@ class ServiceSettings:
     trace: str = "none"  # none | console | otlp | file:PATH
     metrics: str = "none"  # none | console | otlp | file:PATH (OpenTelemetry metrics)
     metrics_interval_s: float = 10.0
+    metrics_port: int | None = 0  # Prometheus text at http://HOST:PORT/metrics (0: any free port; None: off)
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
     drain_timeout_s: float = 60.0  # a drain stops the instance after this long even if work is left

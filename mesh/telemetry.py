@@ -7,9 +7,9 @@ appended to PATH as one JSON line; every process of a mesh may share the file).
 Clients put `outgoing_metadata()` on their calls; servers open their span with
 `server_span(grpc_context, name)`, which continues the caller's trace.
 
-`setup_metrics(spec, service)` returns a `MeterProvider` for one instance (same specs; `file:PATH`
-appends one JSON line per data point at each export), or None for `none`; the instance registers its
-instruments on it and shuts it down when it stops (a last export).
+`push_metrics_reader(spec)` is the reader that pushes an instance's metrics (same specs; `file:PATH`
+appends one JSON line per data point at each export), or None for `none`; `mesh.metrics` adds it next
+to the Prometheus endpoint every instance serves.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Iterator, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
     MetricExporter,
     MetricExportResult,
+    MetricReader,
     MetricsData,
     PeriodicExportingMetricReader,
 )
@@ -126,13 +126,13 @@ def setup_tracing(spec: str, service: str) -> TracerProvider | None:
     return provider
 
 
-def setup_metrics(spec: str, service: str, interval_s: float = 10.0) -> MeterProvider | None:
+def push_metrics_reader(spec: str, interval_s: float = 10.0) -> MetricReader | None:
+    """The reader that pushes metrics where `spec` says every `interval_s` (none: None; Prometheus pulls
+    them from `mesh.metrics` whatever this says)."""
     exporter = _exporter(spec, "metrics", ConsoleMetricExporter, JsonLinesMetricExporter,
                          ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"))
-    if exporter is None:
-        return None
-    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1000)
-    return MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": service}))
+    return None if exporter is None else PeriodicExportingMetricReader(exporter,
+                                                                         export_interval_millis=interval_s * 1000)
 
 
 def tracer() -> trace.Tracer:

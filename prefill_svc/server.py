@@ -26,6 +26,7 @@ from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
 from mesh import rpc
 from mesh.instance import Instance
+from mesh.metrics import ENGINE_LOAD
 from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import PrefillSettings
@@ -67,6 +68,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             method = CP_METHODS[choice.method] if choice else internal_pb2.CP_METHOD_UNSPECIFIED
             reason = choice.reason if choice else f"cp={self.cp}: one rank" if self.cp == 1 else "a one-token prompt"
             _record_transfer_span(result, len(target.addresses), self.cp, transport.name)
+            self.instance.record_metrics(result, transport.name, method)
             span.set_attributes({"cached_tokens": result.cached_tokens, "kv_bytes": stats.bytes if stats else 0,
                                  "cp_method": internal_pb2.CPMethod.Name(method), "cp_reason": reason,
                                  "kv_ok": result.kv_ok})
@@ -113,7 +115,31 @@ class PrefillInstance(Instance):
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers)
         self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail()).start()
+        m = self.metrics
+        m.gauges(engine.load, ENGINE_LOAD)
+        self.prefix_cache_hits = m.counter("infermesh_prefix_cache_hits", "{token}",
+                                           "Prompt tokens whose KV the prefix cache already held")
+        by_transport = tuple({"transport": name} for name in transports.NAMES)
+        self.kv_bytes = m.counter("infermesh_kv_transfer_bytes", "By", "KV bytes pushed to decode, by transport",
+                                  zeros=by_transport)
+        self.kv_seconds = m.seconds("infermesh_kv_transfer_seconds", "Time to push one prompt's KV, by transport")
+        self.kv_failures = m.counter("infermesh_kv_transfer_failures", "{transfer}",
+                                     "KV pushes that failed (decode recomputed the prompt), by transport",
+                                     zeros=by_transport)
+        self.cp_methods = m.counter("infermesh_cp_method", "{prompt}",
+                                    "Prompts prefilled by each context-parallel method (pass_kv, pass_q, one_rank)")
         self.serve([(internal_pb2_grpc.add_PrefillServicer_to_server, PrefillService(self), "infermesh.v1.Prefill")])
+
+    def record_metrics(self, result, transport: str, method: int) -> None:
+        labels = {"transport": transport}
+        self.prefix_cache_hits.add(result.cached_tokens)
+        if result.transfer is not None:
+            self.kv_bytes.add(result.transfer.bytes, labels)
+            self.kv_seconds.record(result.transfer.seconds, labels)
+        if not result.kv_ok:
+            self.kv_failures.add(1, labels)
+        name = internal_pb2.CPMethod.Name(method).removeprefix("CP_METHOD_").lower()
+        self.cp_methods.add(1, {"method": "one_rank" if name == "unspecified" else name})
 
     def describe(self) -> dict:
         s = self.settings

@@ -27,26 +27,40 @@ from typing import Callable, Iterator
 import grpc
 
 from engine.block_manager import prefix_hashes
-from engine.errors import RequestError, Unauthenticated, UnknownModel
+from engine.errors import RequestError, ServingError, Unauthenticated, UnknownModel
 from engine.model_info import load_model_info
 from engine.sampling_params import SamplingParams
 from kvtransfer import transports
 from mesh import rpc
-from mesh.errors import from_status
+from mesh.errors import from_status, status_code
+from mesh.metrics import Metrics
 from mesh.registry import Registry, Role
 from mesh.settings import RouterSettings
 from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
-from router.policy import NoInstance, route
+from router.policy import Decision, NoInstance, route
 
 CHAT_ROLES = ("system", "user", "assistant")
 
 
 class RouterCore:
-    def __init__(self, settings: RouterSettings, registry: Registry, admit: Callable[[], None]) -> None:
+    def __init__(self, settings: RouterSettings, registry: Registry, admit: Callable[[], None],
+                 metrics: Metrics) -> None:
         """`admit()`: the instance's gate for new work (raises `Draining` unless it serves)."""
         self.settings, self.registry, self._admit = settings, registry, admit
+        self.requests = metrics.counter("infermesh_requests", "{request}",
+                                        "Requests served, by outcome: ok, or the failure's gRPC status code",
+                                        zeros=({"outcome": "ok"},))
+        self.ttft = metrics.seconds("infermesh_time_to_first_token", "Time to the first token, per request")
+        self.tpot = metrics.seconds("infermesh_time_per_output_token", "Time per token after the first, per request")
+        self.prompt_tokens = metrics.tokens("infermesh_request_prompt_tokens", "Prompt tokens per request")
+        self.generation_tokens = metrics.tokens("infermesh_request_generation_tokens", "Generated tokens per request")
+        self.routes = metrics.counter("infermesh_routing_decisions", "{request}",
+                                      "Where prompts were prefilled (disaggregated, or locally and why)",
+                                      zeros=tuple({"decision": d.value} for d in Decision))
+        self.retries = metrics.counter("infermesh_retries", "{retry}",
+                                       "Requests tried again on another decode instance (failed before a token)")
         self.config, self.tokenizer = load_model_info(settings.model)
         self.kv_transport = transports.by_name(settings.kv_transport).wire
         self.channels = rpc.ChannelPool()
@@ -99,19 +113,38 @@ class RouterCore:
                call) -> Iterator[inference_pb2.GenerateResponse]:
         """Deltas, then one final response (with the prompt's ids and timings), of one admitted request."""
         started = time.monotonic()
-        try:
-            SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
-        except RequestError as e:
-            raise RequestError(f"sampling: {e}", param=e.param) from None
-        if not ids:
-            raise RequestError("prompt must not be empty", param="prompt")
         with self._lock:
             self.active += 1
+        outcome = "ok"
         try:
-            yield from self._stream(request_id, ids, sampling, call, started)
+            try:
+                SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
+            except RequestError as e:
+                raise RequestError(f"sampling: {e}", param=e.param) from None
+            if not ids:
+                raise RequestError("prompt must not be empty", param="prompt")
+            for response in self._stream(request_id, ids, sampling, call, started):
+                if response.HasField("final"):
+                    self._record(response.final)
+                yield response
+        except ServingError as e:
+            outcome = status_code(e).name.lower()
+            raise
+        except GeneratorExit:  # the face stopped reading: the client left
+            outcome = "cancelled"
+            raise
         finally:
+            self.requests.add(1, {"outcome": outcome})
             with self._lock:
                 self.active -= 1
+
+    def _record(self, final: inference_pb2.Final) -> None:
+        tokens, timings = final.usage.completion_tokens, final.timings
+        self.ttft.record(timings.ttft_s)
+        if tokens > 1:
+            self.tpot.record((timings.total_s - timings.ttft_s) / (tokens - 1))
+        self.prompt_tokens.record(final.usage.prompt_tokens)
+        self.generation_tokens.record(tokens)
 
     def _stream(self, rid: str, ids: list[int], sampling, call, started: float):
         with server_span(call, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
@@ -130,6 +163,7 @@ class RouterCore:
                     if e.code() is grpc.StatusCode.UNAVAILABLE and not streamed and call.is_active():
                         failed.add(chosen.decode.id)  # gone before its first token: try another instance
                         span.add_event("retry", {"unavailable": chosen.decode.id})
+                        self.retries.add(1)
                         continue
                     raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
 
@@ -146,6 +180,7 @@ class RouterCore:
                 raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) from None
             route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
                                        "prefill": chosen.prefill.id if chosen.prefill else ""})
+        self.routes.add(1, {"decision": chosen.decision.value})
         return chosen
 
     def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, started: float):

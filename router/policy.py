@@ -11,6 +11,7 @@ otherwise on the least-loaded prefill instance. The reason is part of the answer
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from engine.errors import Unavailable
@@ -23,11 +24,21 @@ class NoInstance(Unavailable):
     """No instance of a needed role is serving."""
 
 
+class Decision(str, enum.Enum):
+    """Where a prompt is prefilled, and why (a metric label; `Route.reason` says it with the numbers)."""
+
+    DISAGGREGATED = "disaggregated"
+    LOCAL_NO_PREFILL = "local_no_prefill"  # no prefill instance serves
+    LOCAL_SHORT = "local_short_uncached"  # the uncached part is short
+    LOCAL_SATURATED = "local_prefill_saturated"  # every prefill instance is busy
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     decode: InstanceInfo
     prefill: InstanceInfo | None  # None: the decode instance prefills
     uncached_tokens: int
+    decision: Decision
     reason: str
 
 
@@ -58,13 +69,15 @@ def route(*, prompt_tokens: int, decodes: list[InstanceInfo], prefills: list[Ins
     uncached = max(0, prompt_tokens - prefix_hits.get(decode.id, 0) * block_size)
     available = [p for p in prefills if p.state is InstanceState.SERVING]
     if not available:
-        return Route(decode, None, uncached, "no prefill instance is serving: prefill on decode")
+        return Route(decode, None, uncached, Decision.LOCAL_NO_PREFILL,
+                     "no prefill instance is serving: prefill on decode")
     if uncached <= local_prefill_max_tokens:
-        return Route(decode, None, uncached, f"{uncached} uncached tokens <= "
-                                             f"local_prefill_max_tokens={local_prefill_max_tokens}: prefill on decode")
+        return Route(decode, None, uncached, Decision.LOCAL_SHORT,
+                     f"{uncached} uncached tokens <= local_prefill_max_tokens={local_prefill_max_tokens}: "
+                     "prefill on decode")
     unsaturated = [p for p in available if p.active_requests < prefill_saturation]
     if not unsaturated:
-        return Route(decode, None, uncached, f"every prefill instance has >= {prefill_saturation} active requests: "
-                                             "prefill on decode")
+        return Route(decode, None, uncached, Decision.LOCAL_SATURATED,
+                     f"every prefill instance has >= {prefill_saturation} active requests: prefill on decode")
     prefill = min(unsaturated, key=least_load_key)
-    return Route(decode, prefill, uncached, f"{uncached} uncached tokens: disaggregated")
+    return Route(decode, prefill, uncached, Decision.DISAGGREGATED, f"{uncached} uncached tokens: disaggregated")

@@ -59,7 +59,7 @@ class RouterInstance(Instance):
 
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         super().__init__(settings, registry=registry)
-        self.core = RouterCore(settings, self.registry, self.admit)
+        self.core = RouterCore(settings, self.registry, self.admit, self.metrics)
         self.http = None
         if settings.http_port is not None:
             self.http = HttpFront(self.core, settings.host, settings.http_port,

@@ -26,6 +26,7 @@ from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
+from tests.test_metrics import scrape, value
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import generate
 
@@ -70,13 +71,16 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
     assert record.placement == (0, 0, 1, 1) and record.rendezvous == experts.book.address
     assert tokens.shape == (2, 4) and (tokens.sum(1) > 0).all()
     assert tokens[:, 2:].sum() > 0  # the second EP rank's counts reached rank 0's status
-    experts.meter_provider.force_flush()  # the same counts as OpenTelemetry metrics
+    experts.metrics.provider.force_flush()  # the same counts as OpenTelemetry metrics
     exported = {}
     for line in Path(experts.settings.metrics[5:]).read_text().splitlines():
         point = json.loads(line)
-        if point["name"] == "infermesh.expert.tokens":
+        if point["name"] == "infermesh_expert_tokens":
             exported[point["attributes"]["layer"], point["attributes"]["expert"]] = point["value"]  # the latest
     assert exported == {(layer, e): int(tokens[layer, e]) for layer in range(2) for e in range(4)}
+    scraped = scrape(experts.metrics.url)  # and on its Prometheus endpoint
+    assert {(layer, e): value(scraped, "infermesh_expert_tokens_total", layer=str(layer), expert=str(e))
+            for layer in range(2) for e in range(4)} == exported
 
 
 def test_attach_refuses_another_model_and_zero_ranks_and_detach_forgets(expert_mesh):

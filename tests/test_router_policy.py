@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mesh.registry import InstanceInfo, InstanceState, Role
-from router.policy import NoInstance, pick, route
+from router.policy import Decision, NoInstance, pick, route
 
 
 def inst(iid, role=Role.DECODE, active=0, used=0, total=100, state=InstanceState.SERVING):
@@ -38,6 +38,7 @@ def route_for(prompt_tokens, prefills, hits=None, threshold=64, decodes=None):
 def test_long_uncached_prompts_go_to_the_least_loaded_prefill_instance():
     r = route_for(500, [inst("p1", Role.PREFILL, active=2), inst("p2", Role.PREFILL, active=1)])
     assert r.prefill.id == "p2" and r.uncached_tokens == 500 and "disaggregated" in r.reason
+    assert r.decision is Decision.DISAGGREGATED
 
 
 def test_short_or_mostly_cached_prompts_are_prefilled_on_decode():
@@ -45,12 +46,14 @@ def test_short_or_mostly_cached_prompts_are_prefilled_on_decode():
     assert route_for(40, prefills).prefill is None
     cached = route_for(500, prefills, hits={"d1": 30})  # 480 tokens cached: 20 left
     assert cached.prefill is None and cached.uncached_tokens == 20 and "<= local_prefill_max_tokens=64" in cached.reason
+    assert cached.decision is Decision.LOCAL_SHORT
 
 
 def test_a_saturated_or_absent_prefill_pool_means_prefill_on_decode():
-    assert "saturated" not in route_for(500, []).reason and route_for(500, []).prefill is None
+    alone = route_for(500, [])
+    assert alone.prefill is None and alone.decision is Decision.LOCAL_NO_PREFILL
     busy = route_for(500, [inst("p1", Role.PREFILL, active=4)])
-    assert busy.prefill is None and "active requests" in busy.reason
+    assert busy.prefill is None and "active requests" in busy.reason and busy.decision is Decision.LOCAL_SATURATED
     draining = route_for(500, [inst("p1", Role.PREFILL, state=InstanceState.DRAINING)])
     assert draining.prefill is None
 

@@ -47,6 +47,7 @@ class InstanceInfo:
     kv_blocks_total: int = 0
     block_size: int = 0  # prefill and decode instances: tokens per KV block
     http_address: str = ""  # a router's OpenAI-compatible HTTP front, when it serves one
+    metrics_url: str = ""  # where Prometheus scrapes the instance
     rendezvous: str = ""  # host:port of a TCPStore for process groups with this instance (expert attachment)
     placement: tuple[int, ...] = ()  # expert instances: the owner EP rank of each expert
 

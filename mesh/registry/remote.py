@@ -23,7 +23,7 @@ def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
         parallel=common_pb2.ParallelLayout(**info.parallel), state=STATES[info.state],
         active_requests=info.active_requests, total_requests=info.total_requests, kv_blocks_used=info.kv_blocks_used,
         kv_blocks_total=info.kv_blocks_total, block_size=info.block_size, rendezvous=info.rendezvous,
-        placement=info.placement, http_address=info.http_address)
+        placement=info.placement, http_address=info.http_address, metrics_url=info.metrics_url)
 
 
 def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
@@ -32,7 +32,8 @@ def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
         parallel={"tp": m.parallel.tp, "cp": m.parallel.cp, "ep": m.parallel.ep},
         state={v: k for k, v in STATES.items()}[m.state], active_requests=m.active_requests,
         total_requests=m.total_requests, kv_blocks_used=m.kv_blocks_used, kv_blocks_total=m.kv_blocks_total,
-        block_size=m.block_size, http_address=m.http_address, rendezvous=m.rendezvous, placement=tuple(m.placement))
+        block_size=m.block_size, http_address=m.http_address, metrics_url=m.metrics_url, rendezvous=m.rendezvous,
+        placement=tuple(m.placement))
 
 
 class RegistryService(internal_pb2_grpc.RegistryServicer):

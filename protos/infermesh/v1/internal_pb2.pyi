@@ -198,7 +198,7 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous", "placement", "expert_load", "attached", "block_size", "http_address")
+    __slots__ = ("id", "role", "address", "pid", "model", "parallel", "state", "active_requests", "total_requests", "kv_blocks_used", "kv_blocks_total", "rendezvous", "placement", "expert_load", "attached", "block_size", "http_address", "metrics_url")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class InstanceStatus(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.Role
     address: str
@@ -233,7 +234,8 @@ class InstanceStatus(_message.Message):
     attached: _containers.RepeatedScalarFieldContainer[str]
     block_size: int
     http_address: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ..., placement: _Optional[_Iterable[int]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., attached: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., http_address: _Optional[str] = ...) -> None: ...
+    metrics_url: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., parallel: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., rendezvous: _Optional[str] = ..., placement: _Optional[_Iterable[int]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., attached: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., http_address: _Optional[str] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "tokens")
