@@ -1,4 +1,5 @@
-"""The `infermesh` command line.
+"""The `infermesh` command line: run the engine or a mesh here (`generate`, `up`, `demo`); look at and
+change a running mesh (`status`, `drain`, `scale`: `mesh.cli_admin`).
 
     infermesh generate "What is the capital of France?" --chat
     infermesh generate "Once upon a time" --max-tokens 64 --temperature 0.8 --seed 1 --json
@@ -17,6 +18,8 @@ import time
 from typing import Optional
 
 import typer
+
+from mesh import cli_admin
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="infermesh: serve LLMs as a mesh of disaggregated roles.")
@@ -184,7 +187,8 @@ def up(
                 metrics=metrics, dtype=dtype)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
-            supervisor.check_children()
+            for name in supervisor.check_children():
+                typer.echo(f"{name} drained and left")
 
 
 @app.command()
@@ -236,38 +240,9 @@ def _mesh(spec: dict, log_dir: str | None):
         supervisor.stop()
 
 
-@app.command()
-def status(
-    target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
-    as_json: bool = typer.Option(False, "--json", help="Print the instances as JSON."),
-) -> None:
-    """The instances of a running mesh: role, address, layout, load, KV blocks."""
-    import grpc
-
-    from mesh.registry.remote import from_message
-    from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(target) as ch:
-            found = internal_pb2_grpc.AdminStub(ch).ListInstances(internal_pb2.ListInstancesRequest(), timeout=10)
-    except grpc.RpcError as e:
-        typer.echo(f"error: {target}: {e.code().name}: {e.details()}", err=True)
-        raise typer.Exit(code=1) from None
-    instances = [from_message(m) for m in found.instances]
-    if as_json:
-        keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
-                "kv_blocks_total", "http_address", "metrics_url")
-        rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
-        sys.stdout.write(json.dumps({"instances": rows}) + "\n")
-        return
-    header = (f"{'ROLE':8} {'ID':18} {'ADDRESS':22} {'PID':>7} {'TP/CP/EP':9} {'STATE':9} {'ACTIVE':>6} {'TOTAL':>6} "
-              f"{'KV BLOCKS':>11} HTTP")
-    typer.echo(header)
-    for i in instances:
-        layout = "/".join(str(i.parallel.get(k, 1)) for k in ("tp", "cp", "ep"))
-        blocks = f"{i.kv_blocks_used}/{i.kv_blocks_total}" if i.kv_blocks_total else "-"
-        typer.echo(f"{i.role.value:8} {i.id:18} {i.address:22} {i.pid:>7} {layout:9} {i.state.value:9} "
-                   f"{i.active_requests:>6} {i.total_requests:>6} {blocks:>11} {i.http_address or '-'}")
+app.command()(cli_admin.status)
+app.command()(cli_admin.drain)
+app.command()(cli_admin.scale)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,28 @@
 """`infermesh up`: the whole mesh on one host, as processes, in the foreground.
 
-The supervisor serves the in-memory registry over gRPC (unless a Redis URL is
-given), starts the expert instances first (prefill and decode attach to them as
-they start), then the prefill, decode and router processes (`python -m
-<service>.server ...`, each logging to its own file), and is ready when every
-instance is registered and the router's health check says SERVING. It stops
-every process it started on `stop()` (SIGTERM, then SIGKILL after a grace
-period), also when one of them crashed; children die with the supervisor
-(`mesh.service.die_with_supervisor`) even if it is killed.
+The supervisor serves its control service (`Supervisor.Scale`) and, unless a Redis URL is given, the
+in-memory registry over gRPC, and registers itself with role `supervisor`. It starts the expert
+instances first (prefill and decode attach to them as they start), then the prefill, decode and router
+processes (`python -m <service>.server ...`, each logging to its own file), and is ready when every
+instance is registered and the router's health check says SERVING.
+
+It owns every process it started, scaled ones included. `scale(role, n)` starts instances of a role or
+drains its newest ones (`Admin.Drain`: finish in-flight work, deregister, exit) until it has n. A child
+that exits 0 left cleanly (drained, by `scale` or `infermesh drain`) and is let go; one that exits
+otherwise is a crash, and `check_children` raises MeshError naming it. `stop()` stops every process
+(SIGTERM, then SIGKILL after a grace period); children die with the supervisor (PR_SET_PDEATHSIG) even
+if it is killed.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +30,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.errors import RequestError, Unsupported
 from mesh import rpc
-from mesh.registry import Role, connect_registry
+from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 from mesh.registry.memory import MemoryRegistry
-from mesh.registry.remote import RegistryService
-from protos.infermesh.v1 import internal_pb2_grpc
+from mesh.registry.remote import RegistryService, from_role
+from mesh.service import Heartbeat
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 
 class MeshError(RuntimeError):
@@ -68,8 +76,12 @@ class MeshSpec:
 @dataclass
 class Child:
     name: str
+    role: Role
     process: subprocess.Popen
     log: Path
+
+
+SCALABLE = (Role.PREFILL, Role.DECODE)
 
 
 class Supervisor:
@@ -78,67 +90,85 @@ class Supervisor:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infermesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
-        self.registry_server = None
+        self.server = self.heartbeat = None
+        self.registry_address = spec.registry
         self.router_address = ""
         self.http_address = ""  # the router's HTTP front, when asked for
+        self._lock = threading.Lock()  # children: scale runs on gRPC threads, check_children on the main one
+        self._scaling = threading.Lock()  # one scale at a time
+        self._commands: dict[Role, tuple[str, list[str]]] = {}  # role -> (module, args) of a new instance
+        self._numbers = {role: itertools.count() for role in SCALABLE}  # names: prefill-0, prefill-1, ...
+        self._attached = itertools.count()  # instances attach to the expert instances round-robin
+        self._experts: list[str] = []
 
     def start(self) -> str:
         """Start everything and wait until it serves; returns the router's address."""
         s = self.spec
-        registry = s.registry
-        if registry == "memory":
-            self.registry_server, port, _ = rpc.start_server(s.host, 0, [(
-                internal_pb2_grpc.add_RegistryServicer_to_server, RegistryService(MemoryRegistry()),
-                "infermesh.v1.Registry")])
-            registry = f"grpc://{s.host}:{port}"
-        common = ["--model", s.model, "--registry", registry, "--trace", s.trace, "--metrics", s.metrics,
-                  "--host", s.host]
+        services = [(internal_pb2_grpc.add_SupervisorServicer_to_server, SupervisorService(self),
+                     "infermesh.v1.Supervisor")]
+        if s.registry == "memory":
+            services.append((internal_pb2_grpc.add_RegistryServicer_to_server, RegistryService(MemoryRegistry()),
+                             "infermesh.v1.Registry"))
+        self.server, port, _ = rpc.start_server(s.host, 0, services)
+        address = f"{s.host}:{port}"
+        if s.registry == "memory":
+            self.registry_address = f"grpc://{address}"
+        common = ["--model", s.model, "--registry", self.registry_address, "--trace", s.trace, "--metrics",
+                  s.metrics, "--host", s.host]
         engine = ["--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes)]
+        self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)]),
+                          Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}
         try:
             for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
-                self._spawn(f"expert-{i}", "expert_svc.server", common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)])
-            experts = [e.address for e in self._wait_for(registry, {Role.EXPERT: s.experts}, returning=Role.EXPERT)
-                       ] if s.experts else []
-
-            def attach(i: int) -> list[str]:
-                return ["--experts", experts[i % len(experts)]] if experts else []
-
-            for i in range(s.prefill):
-                self._spawn(f"prefill-{i}", "prefill_svc.server",
-                            common + engine + ["--cp", str(s.prefill_cp)] + attach(i))
-            for i in range(s.decode):
-                self._spawn(f"decode-{i}", "decode_svc.server",
-                            common + engine + ["--tp", str(s.decode_tp)] + attach(s.prefill + i))
+                self._spawn(f"expert-{i}", Role.EXPERT, "expert_svc.server",
+                            common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)])
+            if s.experts:
+                self._experts = [e.address for e in self._wait_for({Role.EXPERT: s.experts}, returning=Role.EXPERT)]
+            for role, count in ((Role.PREFILL, s.prefill), (Role.DECODE, s.decode)):
+                for _ in range(count):
+                    self._spawn_instance(role)
             http = ["--http-port", str(s.http_port)] if s.http_port is not None else []
-            self._spawn("router", "router.server", common + http + [
+            self._spawn("router", Role.ROUTER, "router.server", common + http + [
                 "--port", str(s.port), "--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
                 "--kv-transport", s.kv_transport])
-            (router,) = self._wait_for(registry, {Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
+            (router,) = self._wait_for({Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
                                        returning=Role.ROUTER, healthy=True)
             self.router_address, self.http_address = router.address, router.http_address
+            self.heartbeat = Heartbeat(connect_registry(self.registry_address), lambda: InstanceInfo(
+                id=f"supervisor-{os.getpid()}", role=Role.SUPERVISOR, address=address, pid=os.getpid(),
+                model=s.model, state=InstanceState.SERVING), interval_s=1.0, ttl_s=5.0)
         except BaseException:
             self.stop()
             raise
         return self.router_address
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    def _spawn_instance(self, role: Role) -> Child:
+        module, args = self._commands[role]
+        attach = ["--experts", self._experts[next(self._attached) % len(self._experts)]] if self._experts else []
+        return self._spawn(f"{role.value}-{next(self._numbers[role])}", role, module, args + attach)
+
+    def _spawn(self, name: str, role: Role, module: str, args: list[str]) -> Child:
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                                        env={**os.environ, "INFERMESH_PARENT_PID": str(os.getpid())})
-        self.children.append(Child(name, process, log))
+        child = Child(name, role, process, log)
+        with self._lock:
+            self.children.append(child)
+        return child
 
-    def _wait_for(self, registry_address: str, counts: dict[Role, int], *, returning: Role,
-                  healthy: bool = False) -> list:
-        """Wait until the registry lists `counts` instances of each role; then the instances of `returning`
-        (once they answer health checks, with `healthy`)."""
+    def _wait_for(self, counts: dict[Role, int], *, returning: Role, healthy: bool = False,
+                  exactly: bool = False) -> list[InstanceInfo]:
+        """Wait until the registry lists `counts` serving instances of each role (at least, or `exactly`);
+        then the instances of `returning` (once they answer health checks, with `healthy`)."""
         deadline = time.monotonic() + self.spec.startup_timeout_s
-        registry = connect_registry(registry_address)
+        registry = connect_registry(self.registry_address)
         try:
             while time.monotonic() < deadline:
                 self.check_children()
-                found = registry.instances()
-                ready = all(sum(i.role is role for i in found) >= n for role, n in counts.items())
+                found = [i for i in registry.instances() if i.state is InstanceState.SERVING]
+                have = {role: sum(i.role is role for i in found) for role in counts}
+                ready = all(have[role] == n if exactly else have[role] >= n for role, n in counts.items())
                 chosen = sorted((i for i in found if i.role is returning), key=lambda i: i.id)
                 if ready and (not healthy or all(_healthy(i.address) for i in chosen)):
                     return chosen
@@ -147,29 +177,81 @@ class Supervisor:
             registry.close()
         raise MeshError(f"the mesh was not ready within {self.spec.startup_timeout_s:.0f} s; logs in {self.log_dir}")
 
-    def check_children(self) -> None:
-        """Raise MeshError naming the first child that exited."""
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                tail = "\n".join(child.log.read_text(errors="replace").splitlines()[-15:])
-                raise MeshError(f"{child.name} exited with code {code}; last lines of {child.log}:\n{tail}")
+    def scale(self, role: Role, instances: int, drain_timeout_s: float = 60.0) -> tuple[list[str], list[str]]:
+        """Start or drain instances of `role` until it has `instances`; (ids started, ids drained)."""
+        if role not in SCALABLE:
+            raise Unsupported(f"scale supports prefill and decode instances, not {role.value}")
+        if instances < (1 if role is Role.DECODE else 0):
+            raise RequestError(f"instances of {role.value} must be >= {1 if role is Role.DECODE else 0}, "
+                               f"got {instances}", param="instances")
+        with self._scaling:
+            with self._lock:
+                mine = [c for c in self.children if c.role is role and c.process.poll() is None]
+            if instances > len(mine):
+                started = [self._spawn_instance(role) for _ in range(instances - len(mine))]
+                found = self._wait_for({role: instances}, returning=role)
+                return [i.id for i in found if i.pid in {c.process.pid for c in started}], []
+            leaving = mine[instances:]  # the newest
+            records = {i.pid: i for i in self._registry_instances(role)}
+            for child in leaving:
+                if child.process.pid in records:
+                    internal_pb2_grpc.AdminStub(rpc.channel(records[child.process.pid].address)).Drain(
+                        internal_pb2.DrainRequest(timeout_s=drain_timeout_s), timeout=10)
+            for child in leaving:
+                child.process.wait(timeout=drain_timeout_s + 30)
+            self.check_children()  # lets the drained ones go
+            return [], [records[c.process.pid].id for c in leaving if c.process.pid in records]
+
+    def _registry_instances(self, role: Role) -> list[InstanceInfo]:
+        registry = connect_registry(self.registry_address)
+        try:
+            return registry.instances(role)
+        finally:
+            registry.close()
+
+    def check_children(self) -> list[str]:
+        """Let go of the children that left cleanly (exit 0: drained) and return their names; raise MeshError
+        naming the first that exited otherwise."""
+        with self._lock:
+            left = [c for c in self.children if c.process.poll() == 0]
+            self.children = [c for c in self.children if c not in left]
+            crashed = next((c for c in self.children if c.process.poll() is not None), None)
+        if crashed is not None:
+            tail = "\n".join(crashed.log.read_text(errors="replace").splitlines()[-15:])
+            raise MeshError(f"{crashed.name} exited with code {crashed.process.returncode}; "
+                            f"last lines of {crashed.log}:\n{tail}")
+        return [c.name for c in left]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every child (SIGTERM, then SIGKILL); safe to call twice."""
-        for child in self.children:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        with self._lock:
+            children = list(self.children)
+        for child in children:
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in self.children:
+        for child in children:
             try:
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
-        if self.registry_server is not None:
-            self.registry_server.stop(None)
-            self.registry_server = None
+        if self.server is not None:
+            self.server.stop(None)
+            self.server = None
+
+
+class SupervisorService(internal_pb2_grpc.SupervisorServicer):
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def Scale(self, request, context):
+        role = from_role(request.role)
+        started, drained = self.supervisor.scale(role, request.instances)
+        return internal_pb2.ScaleResponse(started=started, drained=drained, instances=request.instances)
 
 
 def _healthy(address: str) -> bool:

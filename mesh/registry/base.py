@@ -21,6 +21,7 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     EXPERT = "expert"
+    SUPERVISOR = "supervisor"  # the `infermesh up` process of a single-host mesh
 
 
 class InstanceState(str, enum.Enum):

@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import grpc
 
+from engine.errors import RequestError
 from mesh.registry.base import InstanceInfo, InstanceState, Registry, Role
 from mesh.registry.memory import MemoryRegistry
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 
 ROLES = {Role.ROUTER: common_pb2.ROLE_ROUTER, Role.PREFILL: common_pb2.ROLE_PREFILL,
-         Role.DECODE: common_pb2.ROLE_DECODE, Role.EXPERT: common_pb2.ROLE_EXPERT}
+         Role.DECODE: common_pb2.ROLE_DECODE, Role.EXPERT: common_pb2.ROLE_EXPERT,
+         Role.SUPERVISOR: common_pb2.ROLE_SUPERVISOR}
 STATES = {InstanceState.STARTING: common_pb2.INSTANCE_STATE_STARTING,
           InstanceState.SERVING: common_pb2.INSTANCE_STATE_SERVING,
           InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING,
           InstanceState.STOPPED: common_pb2.INSTANCE_STATE_STOPPED}
+
+
+def from_role(role: int) -> Role:
+    """The registry role of a wire `Role`; RequestError for UNSPECIFIED or a value no role has."""
+    for mine, wire in ROLES.items():
+        if wire == role:
+            return mine
+    raise RequestError(f"role must be one of {', '.join(r.value for r in ROLES)}, got {role}", param="role")
 
 
 def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
@@ -28,7 +38,7 @@ def to_message(info: InstanceInfo) -> internal_pb2.InstanceStatus:
 
 def from_message(m: internal_pb2.InstanceStatus) -> InstanceInfo:
     return InstanceInfo(
-        id=m.id, role={v: k for k, v in ROLES.items()}[m.role], address=m.address, pid=m.pid, model=m.model,
+        id=m.id, role=from_role(m.role), address=m.address, pid=m.pid, model=m.model,
         parallel={"tp": m.parallel.tp, "cp": m.parallel.cp, "ep": m.parallel.ep},
         state={v: k for k, v in STATES.items()}[m.state], active_requests=m.active_requests,
         total_requests=m.total_requests, kv_blocks_used=m.kv_blocks_used, kv_blocks_total=m.kv_blocks_total,
@@ -49,7 +59,7 @@ class RegistryService(internal_pb2_grpc.RegistryServicer):
         return internal_pb2.RegistryAck()
 
     def ListInstances(self, request, context):
-        role = None if request.role == common_pb2.ROLE_UNSPECIFIED else {v: k for k, v in ROLES.items()}[request.role]
+        role = None if request.role == common_pb2.ROLE_UNSPECIFIED else from_role(request.role)
         return internal_pb2.ListInstancesResponse(instances=[to_message(i) for i in self.registry.instances(role)])
 
     def SetBlockHashes(self, request, context):

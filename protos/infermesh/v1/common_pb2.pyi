@@ -21,6 +21,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
     ROLE_EXPERT: _ClassVar[Role]
+    ROLE_SUPERVISOR: _ClassVar[Role]
 
 class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ ROLE_ROUTER: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_EXPERT: Role
+ROLE_SUPERVISOR: Role
 INSTANCE_STATE_UNSPECIFIED: InstanceState
 INSTANCE_STATE_STARTING: InstanceState
 INSTANCE_STATE_SERVING: InstanceState

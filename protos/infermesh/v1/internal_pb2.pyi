@@ -279,6 +279,24 @@ class DetachResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("role", "instances")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.Role
+    instances: int
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instances: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("started", "drained", "instances")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    started: _containers.RepeatedScalarFieldContainer[str]
+    drained: _containers.RepeatedScalarFieldContainer[str]
+    instances: int
+    def __init__(self, started: _Optional[_Iterable[str]] = ..., drained: _Optional[_Iterable[str]] = ..., instances: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("instance", "ttl_s")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]

@@ -660,6 +660,83 @@ class Expert:
             _registered_method=True)
 
 
+class SupervisorStub:
+    """Served by the `infermesh up` supervisor of a single-host mesh (registered with role ROLE_SUPERVISOR).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/infermesh.v1.Supervisor/Scale',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+
+
+class SupervisorServicer:
+    """Served by the `infermesh up` supervisor of a single-host mesh (registered with role ROLE_SUPERVISOR).
+    """
+
+    def Scale(self, request, context):
+        """Start instances of a role, or drain the newest ones, until the role has `instances`; returns when they
+        serve or have left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SupervisorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'infermesh.v1.Supervisor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('infermesh.v1.Supervisor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Supervisor:
+    """Served by the `infermesh up` supervisor of a single-host mesh (registered with role ROLE_SUPERVISOR).
+    """
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Supervisor/Scale',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RegistryStub:
     """The in-memory registry of a single-host mesh, served by the `infermesh up` supervisor.
     """

@@ -1,0 +1,96 @@
+"""The operator's CLI, what it sends and what it says: `scale --kubernetes` patches the scale subresource of
+the Helm release's workload through the official client (checked on the wire against a stand-in for the
+API server: no cluster runs here) or prints the patch with --dry-run; bad arguments exit 2 with one line;
+the CLI's whole surface (every command's help) is frozen by a snapshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from mesh.cli_admin import _patch_kubernetes, kubernetes_scale_patch
+from tests.test_mesh_processes import cli
+
+SNAPSHOT = Path(__file__).parent / "cli_help.txt"
+COMMANDS = ("generate", "up", "demo", "status", "drain", "scale")
+
+
+class ApiServer(BaseHTTPRequestHandler):
+    """Answers PATCH .../scale as the Kubernetes API does, and keeps what it was sent."""
+
+    seen: list = []
+
+    def do_PATCH(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ApiServer.seen.append((self.path, self.headers["Content-Type"], body))
+        answer = json.dumps({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": "x"},
+                             "spec": body["spec"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def api_server():
+    server = HTTPServer(("127.0.0.1", 0), ApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    ApiServer.seen = []
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("multi_node, path", [
+    (False, "/apis/apps/v1/namespaces/serving/deployments/prod-decode/scale"),
+    (True, "/apis/leaderworkerset.x-k8s.io/v1/namespaces/serving/leaderworkersets/prod-decode/scale"),
+])
+def test_scale_kubernetes_patches_the_releases_workload_through_the_official_client(api_server, multi_node, path):
+    patch = kubernetes_scale_patch("decode", 3, "serving", "prod", multi_node)
+    assert patch.path == path and patch.body == {"spec": {"replicas": 3}}
+    configuration = kubernetes.client.Configuration(host=api_server)
+    _patch_kubernetes(patch, kubernetes.client.ApiClient(configuration))
+    ((sent_path, content_type, body),) = ApiServer.seen
+    assert (sent_path, body) == (path, {"spec": {"replicas": 3}}) and "patch" in content_type
+
+
+def test_scale_dry_run_prints_the_patch_and_bad_arguments_exit_2():
+    out = cli("scale", "prefill", "4", "--kubernetes", "--namespace", "gpu", "--release", "mesh", "--dry-run")
+    assert out.returncode == 0 and out.stdout.strip() == \
+        'PATCH /apis/apps/v1/namespaces/gpu/deployments/mesh-prefill/scale {"spec": {"replicas": 4}}'
+    for args, words in ((("scale", "router", "2"), "role must be one of prefill, decode, got 'router'"),
+                        (("scale", "decode", "--", "-1"), "instances must be >= 0, got -1")):
+        out = cli(*args)
+        assert out.returncode == 2 and out.stderr.strip() == f"error: {words}"
+    out = cli("drain", "nobody", "--target", "127.0.0.1:1")  # nothing listens there
+    assert out.returncode == 1 and out.stderr.startswith("error: 127.0.0.1:1: UNAVAILABLE")
+
+
+def help_text() -> str:
+    env = {**os.environ, "COLUMNS": "120", "TERM": "dumb", "NO_COLOR": "1"}
+    infermesh = str(Path(sys.executable).parent / "infermesh")
+    pages = []
+    for command in ("", *COMMANDS):
+        args = [infermesh, *([command] if command else []), "--help"]
+        pages.append(f"$ infermesh {command} --help\n" + subprocess.run(args, capture_output=True, text=True,
+                                                                          env=env, timeout=60).stdout)
+    return "\n".join(pages)
+
+
+def test_the_cli_surface_is_the_snapshot():
+    """A changed command, option or help text is a conscious change: INFERMESH_UPDATE_SNAPSHOT=1 rewrites it."""
+    text = help_text()
+    if os.environ.get("INFERMESH_UPDATE_SNAPSHOT"):
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text(), "the CLI changed: review, then INFERMESH_UPDATE_SNAPSHOT=1 pytest " + __file__
