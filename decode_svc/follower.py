@@ -65,7 +65,8 @@ class KVFollower:
         self.view.before_step(plan)
 
 
-def accept_kv(rank: int, store, runner, *, host: str, ranks: int, shared: dict[str, str | None]):
+def accept_kv(rank: int, store, runner, host: str, *, ranks: int, shared: dict[str, str | None]):
     """The `follower_hook` of EngineCore (bind the keywords with functools.partial): open this rank's KV
-    endpoints on `host` and publish them; returns the before-step hook (it keeps them for the process's life)."""
+    endpoints on its `host` and publish them; returns the before-step hook (it keeps them for the process's
+    life)."""
     return KVFollower(rank, store, runner, host, ranks, shared).before_step

@@ -22,6 +22,7 @@ from decode_svc.follower import accept_kv, endpoint_key, open_endpoints
 from engine.core import EngineConfig, EngineCore
 from engine.errors import DeadlineExceeded, Unsupported
 from engine.parallel.context import ExpertAttachment, ParallelConfig
+from engine.parallel.launcher import Rendezvous
 from engine.parallel.tp import head_shard
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.weights import load_checkpoint
@@ -123,9 +124,10 @@ class DecodeInstance(Instance):
         shared = {name: obj.address if obj else None for name, obj in self.shared.items()}
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = functools.partial(accept_kv, host=s.host, ranks=s.tp, shared=shared) if s.tp > 1 else None
+        followers = functools.partial(accept_kv, ranks=s.tp, shared=shared) if s.tp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers)
+                            ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers,
+                            rendezvous=Rendezvous.of(s))
         store = engine.executor.store if s.tp > 1 else None
         self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail()).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)

@@ -24,6 +24,7 @@ from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.executor import ParallelExecutor
+from engine.parallel.launcher import Rendezvous
 from engine.parallel.parallelize import build_runner
 from engine.parallel.tp import max_kv_heads_per_rank
 from engine.sampler import sample
@@ -83,9 +84,11 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
-                 parallel: ParallelConfig = ParallelConfig(), follower_hook=None) -> None:
-        """`follower_hook(rank, store, runner) -> before_step(plan)`: run by ranks 1..N-1 of a parallel instance once
-        their model is built (an importable function; a service uses it to accept pushed KV on every rank)."""
+                 parallel: ParallelConfig = ParallelConfig(), follower_hook=None,
+                 rendezvous: Rendezvous = Rendezvous()) -> None:
+        """`follower_hook(rank, store, runner, host) -> before_step(plan)`: run by ranks 1..N-1 of a parallel
+        instance once their model is built (an importable function; a service uses it to accept pushed KV on
+        every rank). `rendezvous`: where the ranks meet, which of them run here, the address rank 0 binds."""
         self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -96,9 +99,10 @@ class EngineCore:
         layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
                       num_blocks=num_blocks)
         if parallel.world_size == 1:
-            self.executor = build_runner(checkpoint, connect(None, 0, parallel), **layout)
+            self.executor = build_runner(checkpoint, connect(None, 0, parallel, host=rendezvous.host), **layout)
         else:
-            self.executor = ParallelExecutor(checkpoint, parallel, follower_hook=follower_hook, **layout)
+            self.executor = ParallelExecutor(checkpoint, parallel, follower_hook=follower_hook, rendezvous=rendezvous,
+                                             **layout)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),

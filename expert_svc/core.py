@@ -60,8 +60,9 @@ class AttachmentBook:
 class ExpertRank:
     """One expert rank: joins every attachment announced on `address` and serves it."""
 
-    def __init__(self, shard: ExpertShard, rank: int, ranks: int, address: str) -> None:
-        self.shard, self.rank, self.ranks, self.address = shard, rank, ranks, address
+    def __init__(self, shard: ExpertShard, rank: int, ranks: int, address: str, host: str = "") -> None:
+        """`host`: the address this rank's attachment groups bind."""
+        self.shard, self.rank, self.ranks, self.address, self.host = shard, rank, ranks, address, host
         self.active: dict[int, torch.Tensor] = {}  # attachment -> tokens [layers, local experts], while served
         self._finished = torch.zeros(len(shard.weights), shard.weights[0][0].shape[0], dtype=torch.long)
         self._lock = threading.Lock()
@@ -94,7 +95,8 @@ class ExpertRank:
     def _serve(self, attachment: int, attention_ranks: int) -> None:
         try:  # a connection of its own: a store client runs one operation at a time, and joining waits
             group = stateless_group(self._client(), group_name(attachment), attention_ranks + self.rank,
-                                    attention_ranks + self.ranks, timeout=STORE_TIMEOUT, idle_timeout=IDLE)
+                                    attention_ranks + self.ranks, timeout=STORE_TIMEOUT, idle_timeout=IDLE,
+                                    host=self.host)
         except RuntimeError:
             return  # the attaching instance never joined
         tokens = torch.zeros_like(self._finished)
@@ -109,14 +111,15 @@ class ExpertRank:
                 self._finished += self.active.pop(attachment)
 
 
-def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str) -> None:
+def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str, *,
+           host: str = "") -> None:
     """An expert follower rank: its share of the experts, served to every attachment until the instance stops."""
     checkpoint = load_checkpoint(source, DTYPES_BY_NAME[dtype])
     store.set(f"ready/{rank}", "1")
-    connect(store, rank, config, timeout=timeout)
-    plans = plan_group(store, rank, config.world_size)
+    connect(store, rank, config, timeout=timeout, host=host)
+    plans = plan_group(store, rank, config.world_size, host=host)
     expert = ExpertRank(ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), rank, config.ep),
-                        rank, config.ep, address)
+                        rank, config.ep, address, host)
     stopped = threading.Event()
 
     def publish() -> None:

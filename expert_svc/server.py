@@ -23,7 +23,7 @@ from engine.errors import RequestError, Unsupported
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig
 from engine.parallel.expert_attach import ExpertShard
-from engine.parallel.launcher import RankGroup
+from engine.parallel.launcher import RankGroup, Rendezvous
 from engine.weights import load_checkpoint
 from expert_svc.core import AttachmentBook, ExpertRank, follow
 from mesh.instance import Instance
@@ -67,13 +67,13 @@ class ExpertInstance(Instance):
         self.shard = ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, s.ep)
         self.ranks = None
         if s.ep > 1:
-            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow,
-                                   (str(checkpoint.source), s.dtype, self.book.address))
+            args = (str(checkpoint.source), s.dtype, self.book.address)
+            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow, args, rendezvous=Rendezvous.of(s))
             try:
                 self.ranks.connect()
             except BaseException as e:
                 raise self.ranks.failure(e) from e
-        self.rank = ExpertRank(self.shard, 0, s.ep, self.book.address)
+        self.rank = ExpertRank(self.shard, 0, s.ep, self.book.address, s.host)
         self.metrics.meter.create_observable_counter(
             "infermesh_expert_tokens", callbacks=[self._observe_tokens], unit="{token}",
             description="Tokens each expert computed, per MoE layer (labels: layer, expert)")

@@ -54,7 +54,7 @@ class Endpoint:
 
     def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str) -> None:
         self.address = shared_address
-        self.listener = PairListener(shared_address, rank, ranks, receiver)
+        self.listener = PairListener(shared_address, rank, ranks, receiver, links.host)
 
     def stop(self) -> None:
         self.listener.stop()
@@ -63,8 +63,9 @@ class Endpoint:
 class PairListener:
     """On one decode rank: join every pair claimed on `address` and receive KV over it into `receiver`."""
 
-    def __init__(self, address: str, rank: int, ranks: int, receiver: KVReceiver) -> None:
-        self.address, self.rank, self.ranks, self.receiver = address, rank, ranks, receiver
+    def __init__(self, address: str, rank: int, ranks: int, receiver: KVReceiver, host: str = "") -> None:
+        """`host`: the address this rank's pair groups bind."""
+        self.address, self.rank, self.ranks, self.receiver, self.host = address, rank, ranks, receiver, host
         self.receivers: dict[int, TorchP2PReceiver] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="kv-pair-listener", daemon=True)
@@ -88,7 +89,7 @@ class PairListener:
         (a store client runs one operation at a time), not the listener's."""
         try:
             group = stateless_group(_client(self.address), f"pair-{pair}", prefill_ranks + self.rank,
-                                    prefill_ranks + self.ranks, timeout=TIMEOUT, idle_timeout=IDLE)
+                                    prefill_ranks + self.ranks, timeout=TIMEOUT, idle_timeout=IDLE, host=self.host)
         except RuntimeError:
             return  # the prefill side never joined (it died)
         self.receivers[pair] = TorchP2PReceiver(group, self.receiver, on_exit=lambda: self.receivers.pop(pair, None))
@@ -97,8 +98,8 @@ class PairListener:
 class PairLink:
     """One prefill rank's side of a pair: the group (joined on first use) and the lock its senders share."""
 
-    def __init__(self, address: str, pair: int, rank: int, world: int) -> None:
-        self.address, self.pair, self.rank, self.world = address, pair, rank, world
+    def __init__(self, address: str, pair: int, rank: int, world: int, host: str = "") -> None:
+        self.address, self.pair, self.rank, self.world, self.host = address, pair, rank, world, host
         self.lock = threading.Lock()
         self.broken = False
         self._group = None
@@ -109,7 +110,7 @@ class PairLink:
             if self._group is None:
                 try:
                     self._group = stateless_group(_client(self.address), f"pair-{self.pair}", self.rank, self.world,
-                                                  timeout=TIMEOUT)
+                                                  timeout=TIMEOUT, host=self.host)
                 except RuntimeError:
                     self.broken = True
                     raise
@@ -120,7 +121,7 @@ class Dialer:
     """One prefill rank's pairs, by decode pairing address."""
 
     def __init__(self, rank: int, ranks: int, links=None) -> None:
-        self.rank, self.ranks = rank, ranks
+        self.rank, self.ranks, self.host = rank, ranks, links.host if links is not None else ""
         self._claims: dict[str, int] = {}
         self._links: dict[tuple[str, int], PairLink] = {}
         self._lock = threading.Lock()
@@ -152,5 +153,5 @@ class Dialer:
         with self._lock:
             key = (address, pair)
             if key not in self._links:
-                self._links[key] = PairLink(address, pair, self.rank, self.ranks + decode_ranks)
+                self._links[key] = PairLink(address, pair, self.rank, self.ranks + decode_ranks, self.host)
             return self._links[key]

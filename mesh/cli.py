@@ -240,6 +240,26 @@ def _mesh(spec: dict, log_dir: str | None):
         supervisor.stop()
 
 
+@app.command()
+def rank(
+    join: str = typer.Option(..., help="HOST:PORT of the instance's rendezvous (where its rank 0 runs)."),
+    rank: int = typer.Option(..., "--rank", help="The first rank to run here."),
+    count: int = typer.Option(1, help="How many ranks to run here: RANK .. RANK+COUNT-1."),
+    host: str = typer.Option("127.0.0.1", help="The address these ranks bind (this host's, as its peers see it)."),
+) -> None:
+    """Run ranks of an instance whose rank 0 runs elsewhere (a LeaderWorkerSet worker); exit when they do."""
+    import os
+
+    from engine.parallel.launcher import spawn_rank
+
+    if rank < 1 or count < 1:
+        _fail(f"need --rank >= 1 (rank 0 hosts the rendezvous) and --count >= 1, got {rank} and {count}")
+    threads = max(1, (os.cpu_count() or 1) // count)
+    processes = [spawn_rank(join, r, host, threads, os.getpid()) for r in range(rank, rank + count)]
+    codes = [p.wait() for p in processes]
+    raise typer.Exit(code=next((c for c in codes if c), 0))
+
+
 app.command()(cli_admin.status)
 app.command()(cli_admin.drain)
 app.command()(cli_admin.scale)

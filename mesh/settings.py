@@ -40,8 +40,24 @@ class ServiceSettings:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EngineSettings(ServiceSettings):
+class RankedSettings(ServiceSettings):
+    """An instance of ranks (prefill, decode, expert): rank 0 hosts their rendezvous on host:rendezvous_port;
+    the first `local_ranks` ranks run here (None: all), the others join from elsewhere (`infermesh rank`)."""
+
     dtype: str = "bfloat16"
+    rendezvous_port: int = 0  # 0: any free port (fix it when ranks join from other hosts)
+    local_ranks: int | None = None
+
+    def __post_init__(self) -> None:
+        super(RankedSettings, self).__post_init__()
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ValueError(f"rendezvous_port must be in [0, 65535], got {self.rendezvous_port}")
+        if self.local_ranks is not None and self.local_ranks < 1:
+            raise ValueError(f"local_ranks must be >= 1 (rank 0 runs here), got {self.local_ranks}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings(RankedSettings):
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
@@ -62,8 +78,7 @@ class DecodeSettings(EngineSettings):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExpertSettings(ServiceSettings):
-    dtype: str = "bfloat16"
+class ExpertSettings(RankedSettings):
     ep: int = 1  # expert-parallel ranks: each holds its contiguous share of every MoE layer's experts
 
     def __post_init__(self) -> None:

@@ -110,9 +110,9 @@ def forget(store, request_id: str, ranks: range) -> None:
         store.delete_key(key)
 
 
-def push_kv(rank: int, store, runner, host: str = "127.0.0.1", trace_spec: str = "none"):
-    """The `follower_hook` of EngineCore: push this rank's share of every pushed prompt; returns the
-    before-step hook. Bind `host` (this instance's interface) and `trace_spec` with functools.partial."""
+def push_kv(rank: int, store, runner, host: str, *, trace_spec: str = "none"):
+    """The `follower_hook` of EngineCore: push this rank's share of every pushed prompt from its `host`;
+    returns the before-step hook. Bind `trace_spec` with functools.partial."""
     setup_tracing(trace_spec, "prefill")
     links = DecodeLinks(rank, runner.cp_size, host)  # the prefill instance's ranks are its CP ranks
     last_layer = len(runner.kv_cache) - 1

@@ -20,6 +20,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.errors import RequestError
 from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.cp_choice import CPMethod
+from engine.parallel.launcher import Rendezvous
 from engine.sampling_params import SamplingParams
 from engine.weights import load_checkpoint
 from kvtransfer import transports
@@ -111,9 +112,10 @@ class PrefillInstance(Instance):
         config = EngineConfig.from_settings(s)
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.cp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = functools.partial(push_kv, host=s.host, trace_spec=s.trace) if s.cp > 1 else None
+        followers = functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
-                            ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers)
+                            ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
+                            rendezvous=Rendezvous.of(s))
         self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail()).start()
         m = self.metrics
         m.gauges(engine.load, ENGINE_LOAD)

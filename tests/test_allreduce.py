@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from engine.parallel import shm_allreduce
 from engine.parallel.allreduce import AllReduceAlgorithm, AllReducer, AllReduceThresholds, all_reduce, choose_algorithm
 from engine.parallel.groups import rendezvous, stateless_group
 
@@ -45,6 +46,18 @@ def all_algorithms_worker(rank: int, world: int, port: int) -> None:
                 assert torch.equal(reducer(t), expected)
     big = torch.ones(3 << 20) * rank  # 12 MB: past the shared segment, falls back to gloo
     assert torch.equal(shared(big), torch.full((3 << 20,), float(sum(range(world)))))
+
+
+def shares_memory_worker(rank: int, world: int, port: int) -> None:
+    store = rendezvous("127.0.0.1", port, rank, world)
+    group = stateless_group(store, "t", rank, world)
+    assert shm_allreduce.shares_memory(group)  # ranks of one host
+    assert shm_allreduce.shares_memory(group, b"host-a")
+    assert not shm_allreduce.shares_memory(group, b"host-a" if rank == 0 else b"host-b")  # as if on two hosts
+
+
+def test_ranks_that_do_not_share_dev_shm_are_told_so():
+    mp.spawn(shares_memory_worker, args=(2, free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -20,7 +20,7 @@ from mesh.cli_admin import _patch_kubernetes, kubernetes_scale_patch
 from tests.test_mesh_processes import cli
 
 SNAPSHOT = Path(__file__).parent / "cli_help.txt"
-COMMANDS = ("generate", "up", "demo", "status", "drain", "scale")
+COMMANDS = ("generate", "up", "demo", "rank", "status", "drain", "scale")
 
 
 class ApiServer(BaseHTTPRequestHandler):

@@ -101,7 +101,8 @@ class AllReducer:
                  shared_memory: bool = True) -> None:
         self.group, self.thresholds = group, thresholds
         self.symmetric = _SymmetricBuffer.create(group, thresholds, device, dtype) if device.type == "cuda" else None
-        use_shm = shared_memory and device.type == "cpu" and group.size() > 1 and shm_allreduce.available()
+        use_shm = (shared_memory and device.type == "cpu" and group.size() > 1 and shm_allreduce.available()
+                   and shm_allreduce.shares_memory(group))  # ranks on other hosts: gloo
         self.shared = shm_allreduce.SharedMemoryAllReduce(group) if use_shm else None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -120,9 +120,10 @@ class ParallelContext:
 
 
 def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, backend: str = "gloo",
-            timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ParallelContext:
+            timeout: datetime.timedelta = DEFAULT_TIMEOUT, host: str = "") -> ParallelContext:
     """Create this rank's groups over `store` (None for one rank); every rank of the instance must call it.
     With `config.experts`, also join the expert instance's attachment group (it blocks until all are there).
+    `host`: the address this rank's connections bind ("": the one its host name resolves to).
 
     With the layouts `ParallelConfig` allows, every axis larger than 1 spans the whole
     instance, so the axis groups are the instance group itself.
@@ -130,13 +131,14 @@ def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, back
     experts = None
     if config.experts is not None:  # attention ranks first, then the expert instance's ranks
         attach = config.experts
-        host, port = attach.address.rsplit(":", 1)
+        store_host, port = attach.address.rsplit(":", 1)
         attach_timeout = datetime.timedelta(seconds=attach.timeout_s)
-        experts = stateless_group(dist.TCPStore(host, int(port), is_master=False, timeout=attach_timeout),
-                                  attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout)
+        experts = stateless_group(dist.TCPStore(store_host, int(port), is_master=False, timeout=attach_timeout),
+                                  attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout,
+                                  host=host)
     if config.world_size == 1:
         return ParallelContext(config=config, rank=0, expert_group=experts)
-    group = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout)
+    group = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout, host=host)
     return ParallelContext(config=config, rank=rank, instance_group=group,
                            tp_group=group if config.tp > 1 else None,
                            cp_group=group if config.cp > 1 else None,

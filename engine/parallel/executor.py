@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, connect
-from engine.parallel.launcher import ParallelError, RankGroup, plan_group, receive_plan, send_plan
+from engine.parallel.launcher import ParallelError, RankGroup, Rendezvous, plan_group, receive_plan, send_plan
 from engine.parallel.parallelize import build_runner
 from engine.step_plan import StepPlan
 from engine.weights import Checkpoint, load_checkpoint
@@ -21,11 +21,12 @@ from engine.weights import Checkpoint, load_checkpoint
 
 class ParallelExecutor:
     def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
-                 block_size: int, num_blocks: int, follower_hook=None,
+                 block_size: int, num_blocks: int, follower_hook=None, rendezvous: Rendezvous = Rendezvous(),
                  timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
         """`timeout`: how long a collective of the model may wait for a rank (idle waits have none)."""
         layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks)
-        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, follower_hook), timeout=timeout)
+        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, follower_hook),
+                               rendezvous=rendezvous, timeout=timeout)
         ctx = self.ranks.connect()
         try:
             self.runner = build_runner(checkpoint, ctx, **layout)
@@ -64,15 +65,16 @@ class ParallelExecutor:
 
 
 def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
-                 source: str, layout: dict, follower_hook=None) -> None:
+                 source: str, layout: dict, follower_hook=None, *, host: str = "") -> None:
     """A follower rank's whole life: load, shard, then run every broadcast plan until `None`.
-    `follower_hook(rank, store, runner)` returns `before_step(plan)`, which may return an `on_layer` for that step."""
+    `follower_hook(rank, store, runner, host)` returns `before_step(plan)`, which may return an `on_layer` for
+    that step; `host` is the address this rank binds."""
     checkpoint = load_checkpoint(source, layout["dtype"])
     store.set(f"ready/{rank}", "1")
-    ctx = connect(store, rank, parallel, timeout=timeout)
-    plans = plan_group(store, rank, parallel.world_size)
+    ctx = connect(store, rank, parallel, timeout=timeout, host=host)
+    plans = plan_group(store, rank, parallel.world_size, host=host)
     runner = build_runner(checkpoint, ctx, **layout)
-    before_step = follower_hook(rank, store, runner) if follower_hook is not None else None
+    before_step = follower_hook(rank, store, runner, host) if follower_hook is not None else None
     while (plan := receive_plan(plans)) is not None:
         on_layer = before_step(plan) if before_step is not None else None
         runner.execute(plan, on_layer)

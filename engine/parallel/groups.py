@@ -25,15 +25,22 @@ def rendezvous(host: str, port: int, rank: int, world_size: int,
 
 
 def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *, backend: str = "gloo",
-                    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                    idle_timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+                    timeout: datetime.timedelta = DEFAULT_TIMEOUT, idle_timeout: datetime.timedelta | None = None,
+                    host: str = "") -> dist.ProcessGroup:
     """A process group named `name` among `world_size` ranks sharing `store`. Forming it waits at most
-    `timeout`; its operations wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`."""
+    `timeout`; its operations wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`.
+    `host`: the address this rank's gloo connections use ("": the one this host's name resolves to)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     prefixed = dist.PrefixStore(name, store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if host:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._timeout = timeout
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         if idle_timeout is not None:
             group._set_default_timeout(idle_timeout)
         return group

@@ -16,7 +16,10 @@ only after reading step s-2 from that set.
 Ordering relies on x86's total store order (the slot copy is visible before the
 flag; loads are not reordered with loads); `available()` is False elsewhere and
 callers use gloo. The segment lives in /dev/shm and is unlinked as soon as every
-rank has mapped it, so nothing is left behind even if a rank is killed.
+rank has mapped it, so nothing is left behind even if a rank is killed. Ranks of
+one instance may run on different hosts (or containers with /dev/shm of their
+own): `shares_memory(group)` says whether every rank sees the same /dev/shm, and
+callers use gloo when it does not.
 """
 
 from __future__ import annotations
@@ -33,6 +36,25 @@ FLAG_BYTES = 64
 
 def available() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+
+
+def memory_identity() -> bytes:
+    """Equal on two processes exactly when they share one /dev/shm: the kernel's boot id and the mount's device."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id", "rb").read().strip()
+    except OSError:
+        boot = platform.node().encode()
+    return boot + b"/" + str(os.stat("/dev/shm").st_dev).encode()
+
+
+def shares_memory(group, identity: bytes | None = None) -> bool:
+    """Whether every rank of `group` shares this rank's /dev/shm (a collective: every rank calls it)."""
+    mine = torch.zeros(FLAG_BYTES, dtype=torch.uint8)
+    data = (identity if identity is not None else memory_identity())[:FLAG_BYTES]
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    every = mine.new_empty((group.size(), FLAG_BYTES))  # [W, 64]
+    group._allgather_base(every.view(-1), mine).wait()
+    return bool((every == mine).all())
 
 
 class SharedMemoryAllReduce:
