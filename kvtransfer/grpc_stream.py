@@ -23,7 +23,7 @@ _END = object()
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # a CUDA cache's pieces come to the host
 
 
 class GrpcStreamSender(KVSender):

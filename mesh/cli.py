@@ -263,6 +263,7 @@ def rank(
 app.command()(cli_admin.status)
 app.command()(cli_admin.drain)
 app.command()(cli_admin.scale)
+app.command()(cli_admin.plan)
 
 
 if __name__ == "__main__":

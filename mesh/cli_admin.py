@@ -2,14 +2,17 @@
 
     infermesh status --target ROUTER [--json]
     infermesh drain INSTANCE_ID --target ROUTER [--timeout-s S] [--wait]
+    infermesh drain --address HOST:PORT [--wait]      # the instance at that address (a preStop hook)
     infermesh scale ROLE N --target ROUTER
     infermesh scale ROLE N --kubernetes [--namespace NS] [--release NAME] [--dry-run]
+    infermesh plan --target ROUTER [--ttft-slo-ms N] [--tpot-slo-ms N] [--apply]
 
 Every command reaches the mesh through its router (`Admin.ListInstances` gives every instance and its
 address). `scale` on a local mesh asks the `infermesh up` supervisor (registered with role
 `supervisor`), which starts instances or drains the newest; with `--kubernetes` it patches the scale of
-the role's workload of the Helm release instead (`kubernetes_scale_patch`). Failures exit 1 with one
-line naming the target and the status; bad arguments exit 2.
+the role's workload of the Helm release instead (`kubernetes_scale_patch`). `plan` reads the router's
+metrics in windows and prints what `mesh.planner` recommends (and scales to it with --apply). Failures
+exit 1 with one line naming the target and the status; bad arguments exit 2.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mesh import planner
+from mesh.metrics import scrape
+from mesh.planner import PlannerConfig
 from mesh.registry import InstanceInfo, InstanceState, Role
 from mesh.registry.remote import ROLES, from_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -82,26 +88,40 @@ def status(
 
 
 def drain(
-    instance_id: str = typer.Argument(..., help="The instance to drain (an id from `infermesh status`)."),
-    target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
+    instance_id: Optional[str] = typer.Argument(None, help="The instance to drain (an id from `infermesh status`)."),
+    target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router, to find INSTANCE_ID."),
+    address: Optional[str] = typer.Option(None, help="HOST:PORT of the instance itself, instead of an id (preStop)."),
     timeout_s: float = typer.Option(0.0, help="Stop it after this long even if work is left (0: its own setting)."),
     wait: bool = typer.Option(False, "--wait", help="Return once it has left the mesh."),
 ) -> None:
     """Drain one instance: it takes no new work, finishes what it holds, deregisters and exits."""
-    found = [i for i in _instances(target) if i.id == instance_id]
-    if not found:
-        _exit(f"no instance {instance_id!r} in the mesh at {target}", code=2)
+    if (instance_id is None) == (address is None):
+        _exit("give an INSTANCE_ID or --address (one of them)", code=2)
+    if address is None:
+        found = [i for i in _instances(target) if i.id == instance_id]
+        if not found:
+            _exit(f"no instance {instance_id!r} in the mesh at {target}", code=2)
+        address = found[0].address
     try:
-        with grpc.insecure_channel(found[0].address) as ch:
-            state = internal_pb2_grpc.AdminStub(ch).Drain(internal_pb2.DrainRequest(timeout_s=timeout_s),
-                                                          timeout=10).state
+        with grpc.insecure_channel(address) as ch:
+            status = internal_pb2_grpc.AdminStub(ch).Drain(internal_pb2.DrainRequest(timeout_s=timeout_s), timeout=10)
     except grpc.RpcError as e:
-        _exit(f"{instance_id} at {found[0].address}: {e.code().name}: {e.details()}")
-    typer.echo(f"{instance_id} {common_pb2.InstanceState.Name(state).removeprefix('INSTANCE_STATE_')}")
-    while wait and any(i.id == instance_id for i in _instances(target)):
-        time.sleep(0.2)
+        _exit(f"{instance_id or address}: {e.code().name}: {e.details()}")
+    typer.echo(f"{status.id} {common_pb2.InstanceState.Name(status.state).removeprefix('INSTANCE_STATE_')}")
     if wait:
-        typer.echo(f"{instance_id} left")
+        while _answers(address):
+            time.sleep(0.2)
+        typer.echo(f"{status.id} left")
+
+
+def _answers(address: str) -> bool:
+    """Whether an instance still serves Admin at `address` (a drained one stops once its work is done)."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            internal_pb2_grpc.AdminStub(ch).Status(internal_pb2.StatusRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +177,10 @@ def scale(
         _patch_kubernetes(patch)
         typer.echo(f"{patch.plural}/{patch.name} in {namespace}: replicas {instances}")
         return
+    _scale_locally(target, role, instances)
+
+
+def _scale_locally(target: str, role: str, instances: int) -> None:
     supervisors = [i for i in _instances(target) if i.role is Role.SUPERVISOR]
     if not supervisors:
         _exit(f"the mesh at {target} has no `infermesh up` supervisor to start or stop processes; "
@@ -172,6 +196,44 @@ def scale(
     for instance_id in done.drained:
         typer.echo(f"{instance_id} drained")
     typer.echo(f"{role}: {done.instances} instances")
+
+
+def plan(
+    target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
+    ttft_slo_ms: float = typer.Option(1000.0, help="Time to first token, p90 (sizes prefill)."),
+    tpot_slo_ms: float = typer.Option(100.0, help="Time per output token, p90 (sizes decode)."),
+    interval_s: float = typer.Option(10.0, help="Seconds per window of the router's metrics."),
+    windows: int = typer.Option(3, help="Windows to watch (a step down waits for 3 quiet ones)."),
+    apply: bool = typer.Option(False, "--apply", help="Scale the local mesh to the plan after each window."),
+) -> None:
+    """Recommend prefill and decode instance counts from the live metrics against the SLOs (--apply: scale)."""
+    config = PlannerConfig(ttft_slo_s=ttft_slo_ms / 1000, tpot_slo_s=tpot_slo_ms / 1000)
+    routers = [i for i in _instances(target) if i.role is Role.ROUTER and i.metrics_url]
+    if not routers:
+        _exit(f"the mesh at {target} has no router that serves metrics", code=2)
+    history: list = []
+    before = _scrape(routers[0].metrics_url)
+    for _ in range(windows):
+        time.sleep(interval_s)
+        after = _scrape(routers[0].metrics_url)
+        history.append(planner.window(before, after, interval_s))
+        before = after
+        counts = {role: sum(i.role is role and i.state is InstanceState.SERVING for i in _instances(target))
+                  for role in (Role.PREFILL, Role.DECODE)}
+        decided = planner.plan(history, counts[Role.PREFILL], counts[Role.DECODE], config)
+        typer.echo(f"prefill {counts[Role.PREFILL]} -> {decided.prefill}, decode {counts[Role.DECODE]} -> "
+                   f"{decided.decode}: {decided.reason}")
+        if apply:
+            for role, n in (("decode", decided.decode), ("prefill", decided.prefill)):
+                if n != counts[Role(role)]:
+                    _scale_locally(target, role, n)
+
+
+def _scrape(url: str) -> dict:
+    try:
+        return scrape(url)
+    except OSError as e:
+        _exit(f"{url}: {e}")
 
 
 def _patch_kubernetes(patch: ScalePatch, api_client: Optional[object] = None) -> None:

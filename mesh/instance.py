@@ -5,7 +5,8 @@
     stop(), from any state --> STOPPED
 
 - gRPC health (`grpc.health.v1`: every service of the server, and "") says SERVING only in SERVING:
-  NOT_SERVING while STARTING and DRAINING; once STOPPED the server is gone.
+  NOT_SERVING while STARTING and DRAINING; once STOPPED the server is gone. Its `liveness` entry stays
+  SERVING while draining and turns NOT_SERVING when the engine fails (what a liveness probe asks).
 - The registry record carries the state: the heartbeat renews it and every transition publishes it at
   once, so routers stop sending work to an instance as soon as it drains or fails.
 - New work passes `admit()`, which raises `Draining` (UNAVAILABLE at the gRPC edge) unless SERVING.
@@ -99,10 +100,13 @@ class Instance:
             raise Draining(f"{self.role.value} instance {self.id} is {state.value}: it takes no new work")
 
     def fail(self) -> None:
-        """The engine failed: DRAINING from now on (it serves nothing more; an operator or probe stops it)."""
+        """The engine failed: DRAINING from now on, and no longer live (`rpc.LIVENESS`): it serves nothing more
+        and waits for an operator or a liveness probe to restart it."""
         with self._lock:
             if self.state is InstanceState.SERVING:
                 self._enter(InstanceState.DRAINING)
+            if self.health is not None:
+                self.health.set_alive(False)
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new work, wait for in-flight work (at most `timeout_s`, default the setting), stop."""

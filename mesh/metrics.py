@@ -9,6 +9,7 @@ process (tests) never mix their series. Histograms of seconds and of tokens get 
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Callable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -16,6 +17,7 @@ from opentelemetry.metrics import Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.telemetry import push_metrics_reader
 
@@ -30,6 +32,14 @@ ENGINE_LOAD = {  # the gauges of an instance that runs an engine (prefill, decod
     "kv_blocks_used": "KV cache blocks held by requests (the prefix cache's free blocks not counted)",
     "kv_blocks_total": "KV cache blocks of this instance (per rank)",
 }
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """One Prometheus scrape: (sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 class Metrics:

@@ -24,18 +24,30 @@ from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+LIVENESS = "liveness"  # a health "service" that says whether the process should be restarted, not whether it serves
+
+
 class Health(health.HealthServicer):
-    """The standard health service of one server; `set_serving` sets every service and "" at once."""
+    """The standard health service of one server; `set_serving` sets every service and "" at once.
+    `LIVENESS` is apart: SERVING while the process works (draining included), NOT_SERVING once it cannot
+    (`set_alive(False)`: its engine failed), for liveness probes that must not restart a draining instance."""
 
     def __init__(self, names: Sequence[str], serving: bool) -> None:
         super().__init__()
         self.names = ("", *names)
         self.set_serving(serving)
+        self.set_alive(True)
+
+    def set_alive(self, alive: bool) -> None:
+        self.set(LIVENESS, _status(alive))
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.names:
-            self.set(name, status)
+            self.set(name, _status(serving))
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,

@@ -58,6 +58,7 @@ class RankedSettings(ServiceSettings):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineSettings(RankedSettings):
+    device: str = "cpu"  # or cuda: rank i of a host uses its GPU i mod the GPUs it sees; NCCL between ranks
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64

@@ -20,7 +20,7 @@ from mesh.cli_admin import _patch_kubernetes, kubernetes_scale_patch
 from tests.test_mesh_processes import cli
 
 SNAPSHOT = Path(__file__).parent / "cli_help.txt"
-COMMANDS = ("generate", "up", "demo", "rank", "status", "drain", "scale")
+COMMANDS = ("generate", "up", "demo", "rank", "status", "drain", "scale", "plan")
 
 
 class ApiServer(BaseHTTPRequestHandler):
@@ -73,6 +73,8 @@ def test_scale_dry_run_prints_the_patch_and_bad_arguments_exit_2():
                         (("scale", "decode", "--", "-1"), "instances must be >= 0, got -1")):
         out = cli(*args)
         assert out.returncode == 2 and out.stderr.strip() == f"error: {words}"
+    out = cli("drain")
+    assert out.returncode == 2 and out.stderr.strip() == "error: give an INSTANCE_ID or --address (one of them)"
     out = cli("drain", "nobody", "--target", "127.0.0.1:1")  # nothing listens there
     assert out.returncode == 1 and out.stderr.startswith("error: 127.0.0.1:1: UNAVAILABLE")
 

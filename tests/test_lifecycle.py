@@ -18,7 +18,7 @@ from decode_svc.server import DecodeInstance
 from engine import SamplingParams
 from expert_svc.server import ExpertInstance
 from mesh.registry import InstanceState, MemoryRegistry
-from mesh.rpc import channel
+from mesh.rpc import LIVENESS, channel
 from mesh.settings import DecodeSettings, ExpertSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
@@ -33,9 +33,9 @@ UNREACHABLE_TARGET = internal_pb2.KVTarget(  # a decode "instance" nobody serves
     head_ranges=[internal_pb2.HeadRange(start=0, end=2)], dtype=internal_pb2.DTYPE_FLOAT32)
 
 
-def health(address: str):
+def health(address: str, service: str = ""):
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
 
 def hold_steps(instance):
@@ -56,7 +56,7 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
 def drain(address: str) -> internal_pb2.InstanceStatus:
     status = internal_pb2_grpc.AdminStub(channel(address)).Drain(internal_pb2.DrainRequest(timeout_s=60), timeout=10)
     assert status.state == common_pb2.INSTANCE_STATE_DRAINING
-    assert health(address) == NOT_SERVING
+    assert health(address) == NOT_SERVING and health(address, LIVENESS) == SERVING  # not ready, but alive
     return status
 
 
@@ -196,6 +196,7 @@ def test_an_engine_failure_makes_prefill_report_draining_to_health_admin_and_reg
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "device lost" in e.value.details()
         status = internal_pb2_grpc.AdminStub(channel(prefill.address)).Status(internal_pb2.StatusRequest(), timeout=10)
         assert status.state == common_pb2.INSTANCE_STATE_DRAINING and health(prefill.address) == NOT_SERVING
+        assert health(prefill.address, LIVENESS) == NOT_SERVING  # a liveness probe restarts it
         wait_until(lambda: [i.state for i in registry.instances() if i.id == prefill.id] == [InstanceState.DRAINING])
     finally:
         prefill.stop()

@@ -69,6 +69,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120)
 
 
+def started(address: str) -> list[dict]:
+    """`status --json` of the mesh at `address`: the instances `up` started (not the supervisor itself)."""
+    found = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    return [i for i in found if i["role"] != "supervisor"]
+
+
 @pytest.mark.parametrize("registry", ["memory", "redis"])
 def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request, tmp_path):
     folder, _ = tiny_checkpoint("llama")
@@ -79,10 +85,10 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoin
              "--kv-transport", transport, "--trace", f"file:{spans_file}"]
     proc, address = start_mesh(str(folder), *args)
     status = json.loads(cli("status", "--target", address, "--json").stdout)
-    pids = [i["pid"] for i in status["instances"]]
+    pids = [i["pid"] for i in status["instances"] if i["role"] != "supervisor"]
     try:
         roles = sorted(i["role"] for i in status["instances"])
-        assert roles == ["decode", "prefill", "router"]
+        assert roles == ["decode", "prefill", "router", "supervisor"]  # `up` registers itself too
         parallel = {i["role"]: i["parallel"] for i in status["instances"]}
         assert parallel["decode"] == {"tp": 2, "cp": 1, "ep": 1} and parallel["prefill"] == {"tp": 1, "cp": 2, "ep": 1}
         reference = LLM(str(folder), dtype="float32")
@@ -116,7 +122,7 @@ def test_up_with_expert_instances_serves_an_moe_model_through_them(tiny_checkpoi
     folder, hf = tiny_checkpoint("qwen3_moe")
     proc, address = start_mesh(str(folder), "--experts", "1", "--expert-ep", "2", "--prefill-cp", "2",
                                "--local-prefill-max-tokens", "20")
-    status = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    status = started(address)
     pids = [i["pid"] for i in status]
     try:
         (expert,) = [i for i in status if i["role"] == "expert"]
@@ -135,7 +141,7 @@ def test_up_with_expert_instances_serves_an_moe_model_through_them(tiny_checkpoi
 def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     proc, address = start_mesh(str(folder), "--prefill-cp", "2", "--decode-tp", "2")
-    instances = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    instances = started(address)
     pids = [i["pid"] for i in instances]
     everything = pids + [child for pid in pids for child in descendants(pid)]
     assert len(everything) == 5  # router, prefill and its second CP rank, decode and its second TP rank
@@ -150,7 +156,7 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny
     folder, _ = tiny_checkpoint("llama")
     spans_file = tmp_path / "spans.jsonl"
     proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--prefill-cp", "2")
-    pids = [i["pid"] for i in json.loads(cli("status", "--target", address, "--json").stdout)["instances"]]
+    pids = [i["pid"] for i in started(address)]
     try:
         out = cli("generate", "the quick brown fox jumps over the lazy dog " * 8, "--target", address,
                   "--max-tokens", "4")

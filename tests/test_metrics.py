@@ -4,25 +4,15 @@ equal to the completed ones, token sums equal to the prompts and outputs, KV pus
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from mesh.metrics import scrape
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.conftest import TINY_VOCAB
-from tests.test_mesh_processes import cli, start_mesh, stop_mesh
+from tests.test_mesh_processes import start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels) -> value."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -32,7 +22,7 @@ def value(samples: dict, name: str, **labels) -> float:
 def test_each_role_exports_what_the_requests_did(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "20")
-    instances = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    instances = started(address)
     try:
         by_role = {i["role"]: i for i in instances}
         assert all(i["metrics_url"].startswith("http://127.0.0.1:") for i in instances)

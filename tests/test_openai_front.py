@@ -21,7 +21,7 @@ from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
 from tests.test_lifecycle import hold_steps, wait_until
-from tests.test_mesh_processes import cli, start_mesh, stop_mesh
+from tests.test_mesh_processes import start_mesh, started, stop_mesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "system", "content": "def main(): return 42"}, {"role": "user", "content": "hello world"}]
@@ -255,7 +255,7 @@ def test_an_http_request_continues_the_clients_trace_across_the_mesh(tiny_checkp
     spans_file = tmp_path / "spans.jsonl"
     proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--http-port", "0",
                                "--local-prefill-max-tokens", "8")
-    instances = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    instances = started(address)
     (http,) = [i["http_address"] for i in instances if i["role"] == "router"]
     trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     try:

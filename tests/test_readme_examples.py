@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_mesh_processes import cli, start_mesh, stop_mesh
+from tests.test_mesh_processes import start_mesh, started, stop_mesh
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
 
@@ -26,7 +26,7 @@ def example(language: str, marker: str) -> str:
 @pytest.mark.slow
 def test_the_readme_curl_and_openai_examples_run_against_up():
     proc, address = start_mesh("smollm2-135m", "--http-port", "0", "--prefill", "0")
-    ready = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
+    ready = started(address)
     (router,) = [i for i in ready if i["role"] == "router"]
     port = router["http_address"].rsplit(":", 1)[1]
     try:

@@ -4,7 +4,6 @@ drained one leaves the registry and its process exits; `drain` of a busy instanc
 
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,13 +14,12 @@ from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 from tests.test_lifecycle import wait_until
-from tests.test_mesh_processes import assert_exited, cli, start_mesh, stop_mesh
+from tests.test_mesh_processes import assert_exited, cli, start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
 
 
 def instances(address: str, role: str | None = None) -> list[dict]:
-    found = json.loads(cli("status", "--target", address, "--json").stdout)["instances"]
-    return [i for i in found if role in (None, i["role"])]
+    return [i for i in started(address) if role in (None, i["role"])]
 
 
 class Traffic:
@@ -114,3 +112,21 @@ def test_drain_of_a_busy_instance_finishes_its_stream_and_the_mesh_keeps_serving
         assert proc.poll() is None  # `up` let the drained process go; it did not take the mesh down
     finally:
         stop_mesh(proc, pids)
+
+
+def test_plan_reads_the_live_metrics_and_applies_what_the_slo_asks(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "20")
+    pids = [i["pid"] for i in instances(address)]
+    traffic = Traffic(address, str(folder), streams=2)
+    try:  # a 1 ms TTFT SLO no request meets: prefill must grow; a 10 s TPOT SLO every one meets: decode holds
+        out = cli("plan", "--target", address, "--windows", "1", "--interval-s", "3", "--ttft-slo-ms", "1",
+                  "--tpot-slo-ms", "10000", "--apply")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0].startswith("prefill 1 -> 2, decode 1 -> 1: prefill (TTFT): p90 ")
+        assert any(line.endswith(" started") for line in out.stdout.splitlines())
+        assert len(instances(address, "prefill")) == 2 and len(instances(address, "decode")) == 1
+    finally:
+        traffic.stop()
+        stop_mesh(proc, pids + [i["pid"] for i in instances(address, "prefill")])
+    assert traffic.failures == []

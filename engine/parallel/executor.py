@@ -26,7 +26,7 @@ class ParallelExecutor:
         """`timeout`: how long a collective of the model may wait for a rank (idle waits have none)."""
         layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks)
         self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, follower_hook),
-                               rendezvous=rendezvous, timeout=timeout)
+                               rendezvous=rendezvous, backend=backend_for(device), timeout=timeout)
         ctx = self.ranks.connect()
         try:
             self.runner = build_runner(checkpoint, ctx, **layout)
@@ -64,14 +64,21 @@ class ParallelExecutor:
         self.ranks.close()
 
 
+def backend_for(device: str) -> str:
+    """NCCL between CUDA ranks, gloo between CPU ones (step plans always travel on gloo)."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
 def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
                  source: str, layout: dict, follower_hook=None, *, host: str = "") -> None:
     """A follower rank's whole life: load, shard, then run every broadcast plan until `None`.
     `follower_hook(rank, store, runner, host)` returns `before_step(plan)`, which may return an `on_layer` for
     that step; `host` is the address this rank binds."""
     checkpoint = load_checkpoint(source, layout["dtype"])
+    if layout["device"] == "cuda":  # the ranks of a host are consecutive: one GPU each
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     store.set(f"ready/{rank}", "1")
-    ctx = connect(store, rank, parallel, timeout=timeout, host=host)
+    ctx = connect(store, rank, parallel, timeout=timeout, host=host, backend=backend_for(layout["device"]))
     plans = plan_group(store, rank, parallel.world_size, host=host)
     runner = build_runner(checkpoint, ctx, **layout)
     before_step = follower_hook(rank, store, runner, host) if follower_hook is not None else None

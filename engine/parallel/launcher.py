@@ -99,9 +99,9 @@ class RankGroup:
     `follower(rank, store, config, timeout, *follower_args, host=their host)`, and waits for the rest to join."""
 
     def __init__(self, config: ParallelConfig, follower: Callable, follower_args: tuple, *,
-                 rendezvous: Rendezvous = Rendezvous(),
+                 rendezvous: Rendezvous = Rendezvous(), backend: str = "gloo",
                  timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
-        self.config, self.timeout, self.host = config, timeout, rendezvous.host
+        self.config, self.timeout, self.host, self.backend = config, timeout, rendezvous.host, backend
         world = config.world_size
         local = world if rendezvous.local_ranks is None else rendezvous.local_ranks
         if not 1 <= local <= world:
@@ -127,7 +127,7 @@ class RankGroup:
             if any(p.poll() is not None for p in self.processes.values()) or time.monotonic() > deadline:
                 raise self.failure(TimeoutError("ranks did not start in time"))
             time.sleep(0.05)
-        self.context = connect(self.store, 0, self.config, timeout=self.timeout, host=self.host)
+        self.context = connect(self.store, 0, self.config, timeout=self.timeout, host=self.host, backend=self.backend)
         self.plans = plan_group(self.store, 0, self.config.world_size, host=self.host)
         return self.context
 

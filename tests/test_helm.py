@@ -1,0 +1,120 @@
+"""The Helm chart, as far as offline tools go: `helm lint` passes with the default values and with a multi-node
+GPU cluster's (helm/infermesh/ci/gpu-cluster-values.yaml); every rendered built-in manifest, and the pod
+templates inside each LeaderWorkerSet, pass `kubernetes-validate --strict`; what is rendered follows the
+values: GPUs equal to the ranks a pod runs, a LeaderWorkerSet of ranks / gpusPerNode pods for an instance
+that spans nodes, the router pointed at Redis, gRPC health probes, a drain before a pod stops."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "infermesh"
+GPU_VALUES = CHART / "ci" / "gpu-cluster-values.yaml"
+HELM = Path(sys.executable).parent / "helm"  # installed by `make setup`
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    assert HELM.exists(), f"{HELM} is missing: `make setup` installs it"
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(*args: str) -> dict[tuple[str, str], dict]:
+    out = helm("template", "mesh", str(CHART), *args)
+    assert out.returncode == 0, out.stderr
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
+
+
+def containers(workload: dict) -> list[dict]:
+    return workload["spec"]["template"]["spec"]["containers"]
+
+
+def gpus(container: dict) -> tuple[int, int]:
+    resources = container["resources"]
+    return resources.get("requests", {}).get("nvidia.com/gpu", 0), resources.get("limits", {}).get("nvidia.com/gpu", 0)
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu-cluster"])
+def test_the_chart_lints_and_renders_valid_kubernetes(values, tmp_path):
+    lint = helm("lint", str(CHART), *values)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    files = []
+    for (kind, name), doc in render(*values).items():
+        if kind == "LeaderWorkerSet":  # a CRD: no schema offline, but its pod templates are built-in kinds
+            for part in ("leaderTemplate", "workerTemplate"):
+                pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name}-{part.lower()}"},
+                       "template": doc["spec"]["leaderWorkerTemplate"][part]}
+                files.append(tmp_path / f"{name}-{part}.yaml")
+                files[-1].write_text(yaml.safe_dump(pod))
+        elif kind != "ServiceMonitor":  # a CRD too: asserted on below
+            files.append(tmp_path / f"{kind}-{name}.yaml")
+            files[-1].write_text(yaml.safe_dump(doc))
+    validate = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "--quiet",
+                               *map(str, files)], capture_output=True, text=True, timeout=300)
+    assert validate.returncode == 0, validate.stdout + validate.stderr
+
+
+def test_default_values_give_one_gpu_pod_per_instance_redis_and_grpc_probes():
+    rendered = render()
+    router, prefill, decode = (rendered["Deployment", f"mesh-{role}"] for role in ("router", "prefill", "decode"))
+    assert ("Deployment", "mesh-expert") not in rendered and ("Deployment", "mesh-redis") in rendered
+    assert "--registry=redis://mesh-redis:6379/0" in containers(router)[0]["args"]
+    assert "--registry=redis://mesh-redis:6379/0" in containers(decode)[0]["args"]
+    for workload in (prefill, decode):
+        (container,) = containers(workload)
+        assert gpus(container) == (1, 1)
+        assert container["readinessProbe"]["grpc"] == {"port": 8000}
+        assert container["livenessProbe"]["grpc"] == {"port": 8000, "service": "liveness"}
+        drain = container["lifecycle"]["preStop"]["exec"]["command"][2]
+        assert drain == "infermesh drain --address $POD_IP:8000 --wait"
+        assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 120  # longer than a drain
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in \
+            workload["spec"]["template"]["spec"]["volumes"]
+    assert gpus(containers(router)[0]) == (0, 0) and "--http-port=8001" in containers(router)[0]["args"]
+    service = rendered["Service", "mesh-router"]
+    assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}
+    assert rendered["PodDisruptionBudget", "mesh-decode"]["spec"]["selector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "decode"
+
+
+def test_a_multi_node_gpu_cluster_renders_leader_worker_sets_that_follow_the_ranks():
+    rendered = render("-f", str(GPU_VALUES))
+    lws = rendered["LeaderWorkerSet", "mesh-prefill"]["spec"]
+    template = lws["leaderWorkerTemplate"]
+    assert lws["replicas"] == 2 and template["size"] == 2  # CP=16 over two 8-GPU nodes
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    assert gpus(leader) == gpus(worker) == (8, 8)
+    assert {"--cp=16", "--local-ranks=8", "--rendezvous-port=29500", "--experts=mesh-expert:8000"} <= set(
+        leader["args"])
+    assert "startupProbe" in leader and "readinessProbe" in leader and "livenessProbe" in leader
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(worker)  # probes on the leader only
+    join = worker["command"][2]
+    assert 'infermesh rank --join "$LWS_LEADER_ADDRESS:29500"' in join
+    assert '--rank "$((LWS_WORKER_INDEX * 8))" --count 8 --host "$POD_IP"' in join
+    decode = rendered["Deployment", "mesh-decode"]
+    assert decode["spec"]["replicas"] == 4 and gpus(containers(decode)[0]) == (8, 8)
+    assert {"--tp=8", "--local-ranks=8", "--device=cuda"} <= set(containers(decode)[0]["args"])
+    expert = rendered["Deployment", "mesh-expert"]
+    assert gpus(containers(expert)[0]) == (8, 8) and "--ep=8" in containers(expert)[0]["args"]
+    assert ("Deployment", "mesh-redis") not in rendered
+    router_args = containers(rendered["Deployment", "mesh-router"])[0]["args"]
+    assert "--registry=redis://redis.infra.svc:6379/0" in router_args and "--trace=otlp" in router_args
+    monitor = rendered["ServiceMonitor", "mesh"]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_values_that_cannot_work_are_refused_with_a_reason():
+    uneven = helm("template", "mesh", str(CHART), "--set", "prefill.cp=12")
+    assert uneven.returncode != 0 and "prefill.cp=12 is not a multiple of gpusPerNode=8" in uneven.stderr
+    no_redis = helm("template", "mesh", str(CHART), "--set", "registry.redis.enabled=false")
+    assert no_redis.returncode != 0 and "registry.externalUrl" in no_redis.stderr
+    bad = helm("template", "mesh", str(CHART), "--set", "model.source.type=ftp")
+    assert bad.returncode != 0 and "model/source/type" in bad.stderr  # values.schema.json
