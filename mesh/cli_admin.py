@@ -204,7 +204,13 @@ def plan(
     tpot_slo_ms: float = typer.Option(100.0, help="Time per output token, p90 (sizes decode)."),
     interval_s: float = typer.Option(10.0, help="Seconds per window of the router's metrics."),
     windows: int = typer.Option(3, help="Windows to watch (a step down waits for 3 quiet ones)."),
-    apply: bool = typer.Option(False, "--apply", help="Scale the local mesh to the plan after each window."),
+    apply: bool = typer.Option(False, "--apply", help="Scale to the plan after each window (the local mesh, or"
+                                                         " with --kubernetes the Helm release)."),
+    kubernetes: bool = typer.Option(False, "--kubernetes", help="With --apply: scale the Helm release's workloads."),
+    namespace: str = typer.Option("default", help="With --kubernetes: the release's namespace."),
+    release: str = typer.Option("infermesh", help="With --kubernetes: the Helm release name."),
+    multi_node: str = typer.Option("", "--multi-node",
+                                   help="With --kubernetes: roles that are LeaderWorkerSets, e.g. prefill,decode."),
 ) -> None:
     """Recommend prefill and decode instance counts from the live metrics against the SLOs (--apply: scale)."""
     config = PlannerConfig(ttft_slo_s=ttft_slo_ms / 1000, tpot_slo_s=tpot_slo_ms / 1000)
@@ -225,7 +231,13 @@ def plan(
                    f"{decided.decode}: {decided.reason}")
         if apply:
             for role, n in (("decode", decided.decode), ("prefill", decided.prefill)):
-                if n != counts[Role(role)]:
+                if n == counts[Role(role)]:
+                    continue
+                if kubernetes:
+                    lws = role in multi_node.split(",")
+                    _patch_kubernetes(kubernetes_scale_patch(role, n, namespace, release, lws))
+                    typer.echo(f"{release}-{role} in {namespace}: replicas {n}")
+                else:
                     _scale_locally(target, role, n)
 
 

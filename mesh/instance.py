@@ -81,9 +81,10 @@ class Instance:
         """Start the gRPC server with `services` and Admin, enter SERVING and register (heartbeat)."""
         s = self.settings
         admin = (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin")
-        self.server, port, self.health = rpc.start_server(s.host, s.port, [*services, admin], serving=False)
+        self.server, port, self.health = rpc.start_server(s.bind_host or s.host, s.port, [*services, admin],
+                                                          serving=False)
         self.address = f"{s.host}:{port}"
-        self.metrics.serve(s.host, s.metrics_port)
+        self.metrics.serve(s.host, s.metrics_port, s.bind_host)
         with self._lock:
             self._enter(InstanceState.SERVING)
         self.heartbeat = Heartbeat(self.registry, self.record, s.heartbeat_s, s.ttl_s, block_hashes=block_hashes)

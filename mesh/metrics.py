@@ -53,10 +53,11 @@ class Metrics:
         self.meter: Meter = self.provider.get_meter("infermesh")
         self.url, self._server, self._shut = "", None, False
 
-    def serve(self, host: str, port: int | None) -> None:
-        """Serve Prometheus text on host:port (0: any free port; None: not at all)."""
+    def serve(self, host: str, port: int | None, bind_host: str = "") -> None:
+        """Serve Prometheus text on port (0: any free one; None: nowhere), listening on `bind_host` ("": host),
+        published as reachable at `host`."""
         if port is not None:
-            self._server, _ = start_http_server(port, addr=host, registry=self._registry)
+            self._server, _ = start_http_server(port, addr=bind_host or host, registry=self._registry)
             self.url = f"http://{host}:{self._server.server_port}/metrics"
 
     def counter(self, name: str, unit: str, description: str, zeros: tuple[dict, ...] = ({},)):

@@ -18,7 +18,8 @@ ENV_PREFIX = "INFERMESH_"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServiceSettings:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address peers reach this instance at (published in the registry)
+    bind_host: str = ""  # where its gRPC, HTTP and metrics servers listen ("": host; 0.0.0.0 in a pod)
     port: int = 0  # 0: pick a free port
     model: str = "smollm2-135m"
     registry: str = "memory"  # memory | redis://HOST:PORT

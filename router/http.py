@@ -205,8 +205,9 @@ async def _no_receive():
 class HttpFront:
     """Serves the OpenAI API for `core` on host:port (0: any free port) until `stop()`."""
 
-    def __init__(self, core: RouterCore, host: str, port: int, health) -> None:
-        """`health()`: whether the router serves (GET /health says 200, else 503)."""
+    def __init__(self, core: RouterCore, host: str, port: int, health, bind_host: str = "") -> None:
+        """`health()`: whether the router serves (GET /health says 200, else 503); it listens on `bind_host`
+        ("": host) and is reached at `host`."""
         self.core, self.health = core, health
         app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
@@ -214,9 +215,10 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/health", self.health_check, methods=["GET"]),
         ])
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listen = bind_host or host
+        sock = socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind((listen, port))
         self.address = f"{host}:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                                     timeout_graceful_shutdown=5))

@@ -62,7 +62,7 @@ class RouterInstance(Instance):
         self.core = RouterCore(settings, self.registry, self.admit, self.metrics)
         self.http = None
         if settings.http_port is not None:
-            self.http = HttpFront(self.core, settings.host, settings.http_port,
+            self.http = HttpFront(self.core, settings.host, settings.http_port, bind_host=settings.bind_host,
                                   health=lambda: self.state is InstanceState.SERVING)
         self.serve([(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceService(self.core),
                      "infermesh.v1.Inference")])

@@ -99,9 +99,14 @@ def test_drain_of_a_busy_instance_finishes_its_stream_and_the_mesh_keeps_serving
 
             wait_until(busy)
             (target,) = busy()
-            drained = cli("drain", target["id"], "--target", address, "--wait")
-            assert drained.returncode == 0, drained.stderr
-            assert drained.stdout.splitlines() == [f"{target['id']} DRAINING", f"{target['id']} left"]
+            table = cli("status", "--target", address).stdout  # the operator's view: totals, then instances
+            assert "roles" in table and target["id"] in table and target["metrics_url"] in table
+            drained = cli("drain", target["id"], "--target", address)
+            assert drained.returncode == 0 and drained.stdout.strip() == f"{target['id']} DRAINING", drained.stderr
+            assert [i["state"] for i in instances(address, "decode") if i["id"] == target["id"]] == ["draining"]
+            waited = cli("drain", target["id"], "--target", address, "--wait")  # again: it is draining already
+            assert waited.returncode == 0, waited.stderr
+            assert waited.stdout.splitlines() == [f"{target['id']} DRAINING", f"{target['id']} left"]
             tokens, final = streaming.result()
         assert len(tokens) == 200 and final.usage.completion_tokens == 200  # finished, not cut
         assert_exited([target["pid"]])

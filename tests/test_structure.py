@@ -7,14 +7,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import grpc
+import httpx
 import pytest
 
 from decode_svc.server import DecodeInstance
 from engine.errors import Unsupported
 from kvtransfer import transports
 from mesh.registry import MemoryRegistry
-from mesh.settings import DecodeSettings
-from protos.infermesh.v1 import internal_pb2
+from mesh.settings import DecodeSettings, RouterSettings
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+from router.server import RouterInstance
 from tests.test_lifecycle import wait_until
 
 
@@ -66,3 +69,24 @@ def test_a_decode_instance_whose_block_size_differs_from_the_registered_ones_ref
         DecodeInstance(DecodeSettings(block_size=16, **common), registry=registry).stop()
     finally:
         first.stop()
+
+
+def test_an_instance_listens_on_bind_host_and_is_published_at_host(tiny_checkpoint):
+    """In a pod: listen on every interface (port-forward reaches 127.0.0.1), publish the pod's address."""
+    folder, _ = tiny_checkpoint("llama")
+    registry = MemoryRegistry()
+    router = RouterInstance(RouterSettings(model=str(folder), host="127.0.0.2", bind_host="0.0.0.0", http_port=0),
+                            registry=registry)
+    try:
+        wait_until(lambda: len(registry.instances()) == 1)
+        (record,) = registry.instances()
+        port = int(record.address.rsplit(":", 1)[1])
+        assert record.address.startswith("127.0.0.2:") and record.http_address.startswith("127.0.0.2:")
+        assert record.metrics_url.startswith("http://127.0.0.2:")
+        for host in ("127.0.0.1", "127.0.0.2"):  # every interface answers
+            with grpc.insecure_channel(f"{host}:{port}") as ch:
+                assert internal_pb2_grpc.AdminStub(ch).Status(internal_pb2.StatusRequest(), timeout=10).id == router.id
+            http_port = record.http_address.rsplit(":", 1)[1]
+            assert httpx.get(f"http://{host}:{http_port}/health").status_code == 200
+    finally:
+        router.stop()

@@ -31,6 +31,7 @@ redis://{{ .Release.Name }}-redis:6379/0
 {{/* What every process is told: its address, the model, the registry, metrics and tracing. */}}
 {{- define "infermesh.commonArgs" -}}
 - --host=$(POD_IP)
+- --bind-host=0.0.0.0
 - --model={{ .Values.model.name }}
 - --registry={{ include "infermesh.registryUrl" . }}
 - --metrics-port={{ .Values.metrics.port }}
