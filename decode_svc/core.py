@@ -104,10 +104,12 @@ class DecodeCore:
 
         return self._call(run)
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> queue.Queue:
-        """Prefill here and decode: the whole request on this instance."""
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 resume: tuple[int, ...] = ()) -> queue.Queue:
+        """Prefill here and decode: the whole request on this instance (after `resume`, the tokens it already
+        generated elsewhere)."""
         def run():
-            seq = self.engine.add_request(request_id, prompt, params)
+            seq = self.engine.add_request(request_id, prompt, params, resume_token_ids=resume)
             self._requests[request_id] = seq
             self._track(seq.request_id)
             return self._streams[request_id]

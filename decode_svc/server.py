@@ -72,7 +72,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
             if request.prefill_locally:
                 self.instance.admit()
                 params = SamplingParams(**sampling_kwargs(request.sampling))
-                stream = self.core.generate(rid, list(request.prompt_token_ids), params)
+                stream = self.core.generate(rid, list(request.prompt_token_ids), params,
+                                            tuple(request.resume_token_ids))
             else:  # a reservation made before: in-flight work, admitted even while draining
                 ready = request.kv_status == internal_pb2.KV_STATUS_READY
                 logprobs = None

@@ -127,11 +127,22 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_sink: KVSink | None = None) -> Sequence:
-        """Queue a request. With `kv_sink`, its prompt's KV is pushed there layer by layer as it completes."""
+                    kv_sink: KVSink | None = None, resume_token_ids: tuple[int, ...] = ()) -> Sequence:
+        """Queue a request. With `kv_sink`, its prompt's KV is pushed there layer by layer as it completes.
+
+        `resume_token_ids`: tokens the request already generated on another instance (a migration). It
+        goes on after them exactly as if it had generated them here: max_tokens counts them, a seeded
+        generator is advanced past their draws, and their text (with any stop-string text held back) is
+        rebuilt, so the next delta starts where the streamed text ended."""
         if kv_sink is not None and self.parallel.tp > 1:
             raise ValueError("pushing KV out of a tensor-parallel instance is not supported (prefill uses cp)")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        try:
+            for i, token in enumerate(resume_token_ids):
+                self._replay(seq, token, i)
+        except RequestError:
+            self._forget(request_id)
+            raise
         if kv_sink is not None:
             self.handoff.sinks[request_id] = kv_sink
         self.scheduler.add(seq)
@@ -243,7 +254,27 @@ class EngineCore:
             (c for c in ordered if c.num_tokens > 1), choices)}
         return [ordered[i] for i in plan.sampling_indices], logits
 
+    def _replay(self, seq: Sequence, token: int, index: int) -> None:
+        """Token `index` of a resumed request, as its draw would have left this engine."""
+        if not 0 <= token < self.model_config.vocab_size:
+            raise RequestError(f"resume_token_ids[{index}]={token} is out of range [0, {self.model_config.vocab_size})",
+                               param="resume_token_ids")
+        seeded = self._seeded.get(seq.request_id)
+        if seeded is not None and not seq.params.greedy:
+            torch.rand((), generator=seeded)  # the draw that picked it
+        if self._advance(seq, token, None).finished:
+            raise RequestError(f"resume_token_ids[{index}] ends the request already (a stop or its length)",
+                               param="resume_token_ids")
+
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
+        out = self._advance(seq, token, logprob)
+        if out.finished:
+            self.scheduler.finish(seq, out.finish_reason)
+            self._forget(seq.request_id)
+        return out
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> StepOutput:
+        """Append `token`, detokenize, check the stop conditions; the delta of text now safe to stream."""
         params = seq.params
         seq.token_ids.append(token)
         if logprob is not None:
@@ -264,9 +295,6 @@ class EngineCore:
         hold = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)  # a stop string may be forming
         upto = max(emitted, len(seq.text) - hold)
         self._emitted[seq.request_id] = upto
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._forget(seq.request_id)
         return StepOutput(seq.request_id, [token], seq.text[emitted:upto], reason, [logprob] if logprob else [])
 
     def _forget(self, request_id: str) -> None:

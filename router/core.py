@@ -61,6 +61,8 @@ class RouterCore:
                                       zeros=tuple({"decision": d.value} for d in Decision))
         self.retries = metrics.counter("infermesh_retries", "{retry}",
                                        "Requests tried again on another decode instance (failed before a token)")
+        self.migrations = metrics.counter("infermesh_migrations", "{migration}",
+                                          "Streams resumed on another decode instance after theirs died mid-stream")
         self.config, self.tokenizer = load_model_info(settings.model)
         self.kv_transport = transports.by_name(settings.kv_transport).wire
         self.channels = rpc.ChannelPool()
@@ -147,25 +149,51 @@ class RouterCore:
         self.generation_tokens.record(tokens)
 
     def _stream(self, rid: str, ids: list[int], sampling, call, started: float):
+        """The responses of one request across its attempts: a decode instance that is unreachable before
+        the first token is replaced (a retry); one that dies after tokens were streamed is replaced by
+        another that resumes after them (a migration, at most `migration_limit` times): the client sees one
+        stream, with no gap and no repeat."""
         with server_span(call, "router.generate", request_id=rid, prompt_tokens=len(ids)) as span:
-            failed: set[str] = set()  # decode instances that were unreachable for this request
+            failed: set[str] = set()  # decode instances that failed this request
+            forwarded: list[int] = []  # the token ids the client has
+            first_at, migrations = None, 0
             while True:
                 chosen = self._route(ids, failed)
-                streamed = False
                 try:
-                    for response in self._attempt(rid, ids, sampling, chosen, call, started):
-                        streamed = True
-                        if response.HasField("final"):
+                    for response in self._attempt(rid, ids, sampling, chosen, call, forwarded):
+                        if response.HasField("delta"):
+                            forwarded += response.delta.token_ids
+                            first_at = first_at or time.monotonic()
+                        else:
+                            self._complete(response.final, rid, ids, started, first_at)
                             span.set_attribute("completion_tokens", response.final.usage.completion_tokens)
                         yield response
                     return
                 except grpc.RpcError as e:
-                    if e.code() is grpc.StatusCode.UNAVAILABLE and not streamed and call.is_active():
-                        failed.add(chosen.decode.id)  # gone before its first token: try another instance
+                    gone = e.code() is grpc.StatusCode.UNAVAILABLE and call.is_active()
+                    if gone and not forwarded:  # before its first token: try another instance
+                        failed.add(chosen.decode.id)
                         span.add_event("retry", {"unavailable": chosen.decode.id})
                         self.retries.add(1)
                         continue
+                    if gone and migrations < self.settings.migration_limit:  # mid-stream: resume elsewhere
+                        failed.add(chosen.decode.id)
+                        migrations += 1
+                        span.add_event("migrated", {"from": chosen.decode.id, "tokens": len(forwarded)})
+                        self.migrations.add(1)
+                        continue
                     raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
+
+    @staticmethod
+    def _complete(final: inference_pb2.Final, rid: str, ids: list[int], started: float, first_at: float | None):
+        """The final response as the client gets it: its request, prompt and timings from the first attempt."""
+        end = time.monotonic()
+        final.request_id = rid
+        final.prompt_token_ids[:] = ids
+        tokens = final.usage.completion_tokens
+        final.timings.CopyFrom(common_pb2.Timings(
+            ttft_s=(first_at or end) - started, total_s=end - started,
+            tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
 
     def _route(self, ids: list[int], failed: set[str]):
         with tracer().start_as_current_span("router.route") as route_span:
@@ -183,31 +211,19 @@ class RouterCore:
         self.routes.add(1, {"decision": chosen.decision.value})
         return chosen
 
-    def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, started: float):
-        """One try on the chosen instances: the responses to forward, the final one completed with timings."""
+    def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
+        """One try on the chosen instances: the decode instance's responses. After a migration (`resume`: the
+        tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
         metadata = outgoing_metadata()
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
-        if chosen.prefill is None:
+        if chosen.prefill is None or resume:
             request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
-                                                 sampling=sampling)
+                                                 sampling=sampling, resume_token_ids=resume)
         else:
             request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
         responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
         call.add_callback(responses.cancel)  # the client left: stop the work downstream
-        first_at = None
-        for response in responses:
-            if response.HasField("delta"):
-                first_at = first_at or time.monotonic()
-            else:
-                final, end = response.final, time.monotonic()
-                final.request_id = rid
-                final.prompt_token_ids[:] = ids
-                tokens = final.usage.completion_tokens
-                final.timings.CopyFrom(common_pb2.Timings(
-                    ttft_s=(first_at or end) - started, total_s=end - started,
-                    tokens_per_s=(tokens - 1) / (end - first_at)
-                    if first_at and end > first_at and tokens > 1 else 0.0))
-            yield response
+        yield from responses
 
     def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
         target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,

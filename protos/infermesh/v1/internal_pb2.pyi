@@ -96,7 +96,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_locally", "prompt_token_ids", "sampling", "first_token_id", "kv_status", "first_logprobs")
+    __slots__ = ("request_id", "prefill_locally", "prompt_token_ids", "sampling", "first_token_id", "kv_status", "first_logprobs", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_STATUS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_locally: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +112,8 @@ class DecodeRequest(_message.Message):
     first_token_id: int
     kv_status: KVStatus
     first_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
