@@ -8,7 +8,9 @@ threads; each runs as a command on the engine thread (between steps) and
 
 KV arriving for reserved requests is written by a `KVReceiver` from transport
 threads under `kv_lock`; the engine thread takes the same lock to drop a
-reservation, so a piece is never written into blocks already given back.
+reservation, so a piece is never written into blocks already given back. A
+reservation is a lease: one not joined within `lease_s` (its prefill instance or
+router vanished) is cancelled and its blocks freed.
 
 Lifecycle: `start()` -> serving -> `stop()` (abort what is left, join the thread;
 safe twice). Whether new work is admitted is the instance's call (`mesh.instance`);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,11 +45,13 @@ class TokenEvent:
 
 class DecodeCore:
     def __init__(self, engine: EngineCore, shared_store=None,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None, lease_s: float = 30.0) -> None:
         """`shared_store`: the store of a multi-rank instance, where reservations are published to its other
         ranks (each accepts pushed KV for its heads). `on_failure(error)`: a step raised (after the waiting
-        streams got the error)."""
-        self.engine, self.shared_store, self.on_failure = engine, shared_store, on_failure
+        streams got the error). `lease_s`: how long a reservation waits for its join."""
+        self.engine, self.shared_store, self.on_failure, self.lease_s = engine, shared_store, on_failure, lease_s
+        self._leases: dict[str, float] = {}  # reserved request id -> when its lease ends (monotonic)
+        self._expiring = threading.Event()  # set: stop the lease thread
         self.kv_lock = threading.Lock()
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
         self.total_requests = 0
@@ -60,11 +65,23 @@ class DecodeCore:
 
     def start(self) -> "DecodeCore":
         self._loop.start()
+        threading.Thread(target=self._expire_leases, name="decode-leases", daemon=True).start()
         return self
 
     def stop(self) -> None:
+        self._expiring.set()
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()
+
+    def _expire_leases(self) -> None:
+        while not self._expiring.wait(min(1.0, self.lease_s / 4)):
+            now = time.monotonic()
+            for request_id in [r for r, end in list(self._leases.items()) if end <= now]:
+                if self._leases.pop(request_id, None) is not None and not self.failed:
+                    try:
+                        self.cancel(request_id, only_reserved=True)  # a late join finds no reservation
+                    except ServingError:
+                        return  # the engine stopped meanwhile
 
     @property
     def failed(self) -> bool:
@@ -97,6 +114,7 @@ class DecodeCore:
             seq = self.engine.reserve(request_id, prompt, params)
             with self.kv_lock:
                 self.reservations[request_id] = tuple(seq.block_table)
+            self._leases[request_id] = time.monotonic() + self.lease_s
             if self.shared_store is not None:
                 self.shared_store.set(reservation_key(request_id), ",".join(map(str, seq.block_table)))
             self._requests[request_id] = seq
@@ -120,6 +138,7 @@ class DecodeCore:
         """The reserved request's KV arrived (`first_token` and its `logprobs` from prefill), or not (None:
         recompute here)."""
         def run():
+            self._leases.pop(request_id, None)
             with self.kv_lock:
                 if self.reservations.pop(request_id, None) is None:
                     raise NoReservation(f"request_id {request_id!r} has no reservation")
@@ -133,8 +152,12 @@ class DecodeCore:
 
         return self._call(run)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, only_reserved: bool = False) -> bool:
+        """Abort the request and free its blocks (`only_reserved`: only if it is still waiting for its KV)."""
         def run():
+            self._leases.pop(request_id, None)
+            if only_reserved and request_id not in self.reservations:
+                return False  # joined meanwhile: it runs on
             with self.kv_lock:
                 reserved = self.reservations.pop(request_id, None) is not None
                 found = self.engine.abort(request_id)

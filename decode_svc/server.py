@@ -130,7 +130,8 @@ class DecodeInstance(Instance):
                             ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s))
         store = engine.executor.store if s.tp > 1 else None
-        self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail()).start()
+        self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail(),
+                               lease_s=s.reservation_lease_s).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")

@@ -77,6 +77,7 @@ class PrefillSettings(EngineSettings):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodeSettings(EngineSettings):
     tp: int = 1
+    reservation_lease_s: float = 30.0  # a KV reservation not joined within this is cancelled, its blocks freed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

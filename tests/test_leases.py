@@ -1,0 +1,79 @@
+"""A KV reservation is a lease: when the prefill instance pushing into it is killed mid-push and the router
+that made it is gone too, nobody joins it; it expires, its blocks (with the partial KV) are freed, and a
+late join is told NOT_FOUND. A join within the lease runs to its end."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from decode_svc.server import DecodeInstance
+from mesh import rpc
+from mesh.registry import MemoryRegistry, Role
+from mesh.registry.remote import RegistryService
+from mesh.settings import DecodeSettings
+from protos.convert import sampling_message
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+from tests.test_decode_service import collect
+from tests.test_lifecycle import LONG, wait_until
+
+
+def blocks_used(stub) -> int:
+    return stub.Status(internal_pb2.StatusRequest(), timeout=10).kv_blocks_used
+
+
+def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push():
+    registry = MemoryRegistry()
+    server, port, _ = rpc.start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_RegistryServicer_to_server,
+                                                         RegistryService(registry), "infermesh.v1.Registry")])
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_svc.server", "--model", "smollm2-135m", "--dtype",
+                                "float32", "--registry", f"grpc://127.0.0.1:{port}", "--kv-cache-bytes",
+                                str(256 << 20)], stdout=subprocess.DEVNULL)
+    decode = DecodeInstance(DecodeSettings(model="smollm2-135m", dtype="float32", kv_cache_bytes=256 << 20,
+                                           reservation_lease_s=3.0), registry=registry)
+    try:
+        wait_until(lambda: len(registry.instances(Role.PREFILL)) == 1, timeout_s=120)
+        (record,) = registry.instances(Role.PREFILL)
+        stub, admin = internal_pb2_grpc.DecodeStub(rpc.channel(decode.address)), internal_pb2_grpc.AdminStub(
+            rpc.channel(decode.address))
+        prompt = [(i * 37) % 40000 + 100 for i in range(3000)]
+        target = stub.Reserve(internal_pb2.ReserveRequest(request_id="orphan", prompt_token_ids=prompt,
+                                                          sampling=sampling_message(LONG)), timeout=10).target
+        assert blocks_used(admin) >= 3000 // 16
+        failed = []
+
+        def push():
+            try:
+                internal_pb2_grpc.PrefillStub(rpc.channel(record.address)).Prefill(internal_pb2.PrefillRequest(
+                    request_id="orphan", prompt_token_ids=prompt, target=target), timeout=120)
+            except grpc.RpcError as e:
+                failed.append(e.code())
+
+        pushing = threading.Thread(target=push)
+        pushing.start()
+        time.sleep(1.0)  # the 3,000-token prompt takes seconds to prefill here
+        prefill.send_signal(signal.SIGKILL)  # the prefill instance dies mid-way; the "router" never joins
+        pushing.join(60)
+        assert failed == [grpc.StatusCode.UNAVAILABLE]  # it died before answering
+        wait_until(lambda: blocks_used(admin) == 0, timeout_s=30)  # the lease ran out
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Decode(internal_pb2.DecodeRequest(request_id="orphan",
+                                                           kv_status=internal_pb2.KV_STATUS_FAILED), timeout=30))
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND
+
+        stub.Reserve(internal_pb2.ReserveRequest(request_id="joined", prompt_token_ids=prompt[:40],
+                                                 sampling=sampling_message(LONG)), timeout=10)
+        tokens, _ = collect(stub.Decode(internal_pb2.DecodeRequest(  # joined (to recompute) within its lease
+            request_id="joined", kv_status=internal_pb2.KV_STATUS_FAILED), timeout=60))
+        assert len(tokens) == LONG.max_tokens and blocks_used(admin) == 0
+    finally:
+        decode.stop()
+        prefill.kill()
+        prefill.wait()
+        server.stop(None)
