@@ -8,7 +8,8 @@ when one is (the OpenAI error body carries it).
 
     ServingError
     ├── RequestError        the request itself is invalid (a field, a token id, its length)
-    ├── KVCacheFull         no room in the KV cache for it now
+    ├── Overloaded          no room for it now (the router sheds it; try later)
+    │   └── KVCacheFull     no room in this instance's KV cache for it now
     ├── NoReservation       it names a KV reservation this instance does not hold
     ├── UnknownModel        it names a model this mesh does not serve
     ├── Unsupported         this instance cannot do what it asks (another model, a transport it lacks)
@@ -35,7 +36,11 @@ class RequestError(ServingError, ValueError):
     """A request the engine refuses; the message names the field and the limit."""
 
 
-class KVCacheFull(ServingError):
+class Overloaded(ServingError):
+    """There is no room for the request now: every instance that could serve it is full or busy."""
+
+
+class KVCacheFull(Overloaded):
     """The KV cache has no room for the request now."""
 
 

@@ -19,6 +19,7 @@ from engine.errors import (
     Draining,
     KVCacheFull,
     NoReservation,
+    Overloaded,
     PeerFailed,
     RequestError,
     ServingError,
@@ -30,6 +31,7 @@ from engine.errors import (
 
 STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
     RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoReservation: grpc.StatusCode.NOT_FOUND,
     UnknownModel: grpc.StatusCode.NOT_FOUND,

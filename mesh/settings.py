@@ -97,6 +97,7 @@ class RouterSettings(ServiceSettings):
     request_timeout_s: float = 300.0
     kv_transport: str = "grpc_stream"  # how prefill pushes KV to decode: a name in kvtransfer.transports
     migration_limit: int = 3  # times one stream may move to another decode instance when its own dies
+    shed_active_requests: int = 256  # a decode instance with this many requests has no room (with free KV blocks)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
     # when set, the public API (gRPC and HTTP) needs `authorization: Bearer <token>`; never shown in a repr
     api_token: str = dataclasses.field(default="", repr=False)
@@ -105,6 +106,8 @@ class RouterSettings(ServiceSettings):
         super(RouterSettings, self).__post_init__()
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.shed_active_requests < 1:
+            raise ValueError(f"shed_active_requests must be >= 1, got {self.shed_active_requests}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.policy not in ("round_robin", "least_load", "prefix_aware"):

@@ -7,7 +7,10 @@ pushes the KV to decode), then Decode; otherwise Decode with prefill_locally.
 Every hop gets the caller's deadline and the W3C trace context; when the client
 leaves or its deadline passes, the downstream stream is cancelled and the decode
 instance frees the request's blocks. Prompts are hashed for prefix hits in the KV
-block size the decode instances publish.
+block size the decode instances publish. The registry's load of an instance lags
+a heartbeat; the router adds what it has routed there itself and not yet seen
+finish (requests, prompt blocks), so a burst spreads and a full mesh sheds
+(RESOURCE_EXHAUSTED) instead of queueing without bound.
 
 A face hands `stream` a `call`: gRPC's servicer context, or any object with the
 same four methods — `time_remaining()`, `is_active()`, `add_callback(fn)` (run
@@ -18,6 +21,7 @@ no torch in the router process.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import threading
@@ -69,6 +73,7 @@ class RouterCore:
         self._turns = itertools.count()
         self._lock = threading.Lock()
         self.active = 0  # streams being served
+        self._routed: dict[str, list[int]] = {}  # decode id -> [requests, prompt blocks] routed, unfinished
 
     # ---- checks and prompts (both faces) ---------------------------------------------------
 
@@ -197,13 +202,14 @@ class RouterCore:
 
     def _route(self, ids: list[int], failed: set[str]):
         with tracer().start_as_current_span("router.route") as route_span:
-            decodes = [d for d in self.registry.instances(Role.DECODE) if d.id not in failed]
+            decodes = [self._with_routed(d) for d in self.registry.instances(Role.DECODE) if d.id not in failed]
             block_size = next((d.block_size for d in decodes if d.block_size), 0)  # one for all: decode enforces it
             hits = self.registry.prefix_hits(prefix_hashes(ids, block_size)) if block_size else {}
             try:
                 chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=self.registry.instances(Role.PREFILL),
                                policy=self.settings.policy, turn=next(self._turns), prefix_hits=hits,
-                               block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens)
+                               block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
+                               max_active=self.settings.shed_active_requests)
             except NoInstance as e:
                 raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) from None
             route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
@@ -211,9 +217,30 @@ class RouterCore:
         self.routes.add(1, {"decision": chosen.decision.value})
         return chosen
 
+    def _with_routed(self, decode):
+        """The registry's record of `decode`, its load raised to what this router has routed there itself."""
+        with self._lock:
+            requests, blocks = self._routed.get(decode.id, (0, 0))
+        return dataclasses.replace(decode, active_requests=max(decode.active_requests, requests),
+                                   kv_blocks_used=max(decode.kv_blocks_used, blocks))
+
     def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
-        """One try on the chosen instances: the decode instance's responses. After a migration (`resume`: the
-        tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
+        """One try on the chosen instances: the decode instance's responses, counted against its load while
+        they run. After a migration (`resume`: the tokens already streamed) the new decode instance prefills
+        prompt and tokens itself and goes on."""
+        blocks = -(-(len(ids) + len(resume)) // max(chosen.decode.block_size, 1))
+        with self._lock:
+            routed = self._routed.setdefault(chosen.decode.id, [0, 0])
+            routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
+        try:
+            yield from self._responses(rid, ids, sampling, chosen, call, resume)
+        finally:
+            with self._lock:
+                routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
+                if routed[0] == 0:
+                    self._routed.pop(chosen.decode.id, None)
+
+    def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
         metadata = outgoing_metadata()
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
         if chosen.prefill is None or resume:

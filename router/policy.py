@@ -1,8 +1,11 @@
 """Routing policies: pure functions over a snapshot of the registry.
 
-`route()` picks the decode instance by the policy (round-robin, least-load:
-fewest active requests then most free KV blocks, prefix-aware: most leading
-prompt blocks already cached there, then least-load), then decides where the
+`route()` sheds the request (`Overloaded`, with why) when no serving decode
+instance has room: free KV blocks for the prompt's uncached part and fewer than
+`max_active` requests. Among those with room it picks one by the policy
+(round-robin, least-load: fewest active requests then most free KV blocks,
+prefix-aware: most leading prompt blocks already cached there, then
+least-load), then decides where the
 prompt is prefilled — conditional disaggregation: on the decode instance itself
 when no prefill instance serves, when the uncached part of the prompt is short
 (<= `local_prefill_max_tokens`), or when every prefill instance is saturated;
@@ -14,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.errors import Unavailable
+from engine.errors import Overloaded, Unavailable
 from mesh.registry import InstanceInfo, InstanceState
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
@@ -61,11 +64,23 @@ def pick(policy: str, candidates: list[InstanceInfo], turn: int, prefix_hits: di
 
 def route(*, prompt_tokens: int, decodes: list[InstanceInfo], prefills: list[InstanceInfo], policy: str, turn: int,
           prefix_hits: dict[str, int], block_size: int, local_prefill_max_tokens: int,
-          prefill_saturation: int = 16) -> Route:
+          prefill_saturation: int = 16, max_active: int = 256) -> Route:
     serving = [d for d in decodes if d.state is InstanceState.SERVING]
     if not serving:
         raise NoInstance("no decode instance is serving")
-    decode = pick(policy, serving, turn, prefix_hits)
+    room, full = [], []
+    for d in serving:
+        need = -(-max(1, prompt_tokens - prefix_hits.get(d.id, 0) * block_size) // max(block_size, 1))
+        free = d.kv_blocks_total - d.kv_blocks_used
+        if d.kv_blocks_total and free < need:
+            full.append(f"{d.id}: {free} free KV blocks, the prompt needs {need}")
+        elif d.active_requests >= max_active:
+            full.append(f"{d.id}: {d.active_requests} requests >= {max_active}")
+        else:
+            room.append(d)
+    if not room:
+        raise Overloaded("every decode instance is saturated (" + "; ".join(full) + "): try again later")
+    decode = pick(policy, room, turn, prefix_hits)
     uncached = max(0, prompt_tokens - prefix_hits.get(decode.id, 0) * block_size)
     available = [p for p in prefills if p.state is InstanceState.SERVING]
     if not available:

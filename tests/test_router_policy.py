@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import Overloaded
 from mesh.registry import InstanceInfo, InstanceState, Role
 from router.policy import Decision, NoInstance, pick, route
 
@@ -64,3 +65,12 @@ def test_no_serving_decode_instance_is_an_error():
     with pytest.raises(ValueError, match="policy must be one of"):
         pick("random", [inst("a")], 0, {})
 
+
+
+def test_a_request_no_decode_instance_has_room_for_is_shed_with_the_reasons():
+    full = [inst("d1", used=95), inst("d2", active=300)]
+    with pytest.raises(Overloaded, match=r"d1: 5 free KV blocks, the prompt needs 7; d2: 300 requests >= 256"):
+        route_for(100, [], decodes=full)
+    roomy = route_for(100, [], decodes=[*full, inst("d3", used=50)])
+    assert roomy.decode.id == "d3"  # the one with room
+    assert route_for(100, [], hits={"d1": 4}, decodes=full[:1]).decode.id == "d1"  # its cached prefix needs less
