@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from engine.errors import RequestError
 
+MAX_STOP_STRINGS = 16  # a request's stop strings: at most this many ...
+MAX_STOP_CHARS = 256  # ... of at most this many characters each (every token is matched against them)
+
 
 class SamplingParamsError(RequestError):
     """A sampling parameter out of its range; the message names it."""
@@ -42,6 +45,12 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must not be empty", param="stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise SamplingParamsError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}",
+                                      param="stop")
 
     @property
     def greedy(self) -> bool:

@@ -58,14 +58,20 @@ def generate(
     """Generate text for PROMPT, streaming it as it is produced."""
     if not prompt:
         _fail("prompt must not be empty")
+    from engine.sampling_params import SamplingParams  # torch-free: checked here for both paths
+
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     ignore_eos=ignore_eos)
+    try:
+        params = SamplingParams(**sampling)
+    except ValueError as e:
+        _fail(str(e))
     start = time.monotonic()
     if target:
         ids, deltas = _remote_stream(target, prompt, chat, sampling)
     else:
         parallel = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method)
-        ids, deltas = _local_stream(prompt, chat, sampling, model, dtype, parallel)
+        ids, deltas = _local_stream(prompt, chat, params, model, dtype, parallel)
     first, token_ids, text, reason = None, [], "", None
     for delta_ids, delta_text, finish in deltas:
         first = first or time.monotonic()
@@ -91,13 +97,12 @@ def generate(
         sys.stdout.write(json.dumps(result) + "\n")
 
 
-def _local_stream(prompt: str, chat: bool, sampling: dict, model: str, dtype: str, parallel: dict):
+def _local_stream(prompt: str, chat: bool, params, model: str, dtype: str, parallel: dict):
     """(prompt ids, iterator of (token ids, text, finish reason)) from an engine in this process."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.parallel.launcher import ParallelError
 
     try:
-        params = SamplingParams(**sampling)
         llm = LLM(model, dtype=dtype, **parallel)
     except ValueError as e:  # every engine input error (params, request, weights, config, layout) is a ValueError
         _fail(str(e))

@@ -11,6 +11,8 @@ only `engine.errors` of the engine (plain Python, no torch), so every service ma
 
 from __future__ import annotations
 
+import typing
+
 import grpc
 
 from engine.errors import (
@@ -62,12 +64,16 @@ def from_status(code: grpc.StatusCode, message: str) -> ServingError:
 
 
 class StatusInterceptor(grpc.ServerInterceptor):
-    """Ends a call whose handler raised a `ServingError` with the table's code and the error's message."""
+    """Ends a call whose handler raised a `ServingError` with the table's code and the error's message, and
+    one whose request does not parse (bytes that are not the message, invalid UTF-8 in a string field) with
+    INVALID_ARGUMENT, where gRPC alone would answer INTERNAL."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if not handler.request_streaming and handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=_parsing(handler.request_deserializer))
         if handler.response_streaming:  # unary_stream or stream_stream: failures may come mid-stream
             kind = "stream_stream" if handler.request_streaming else "unary_stream"
             return handler._replace(**{kind: _streaming(getattr(handler, kind))})
@@ -75,8 +81,25 @@ class StatusInterceptor(grpc.ServerInterceptor):
         return handler._replace(**{kind: _unary(getattr(handler, kind))})
 
 
+class _Malformed(typing.NamedTuple):
+    """A request that did not parse, carried to the handler so that the call ends with a clear status."""
+
+    error: str
+
+
+def _parsing(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError, or whatever a custom deserializer raises
+            return _Malformed(f"the request does not parse ({e}); string fields must be valid UTF-8")
+    return parse
+
+
 def _unary(behaviour):
     def call(request, context):
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             return behaviour(request, context)
         except ServingError as e:
@@ -86,6 +109,8 @@ def _unary(behaviour):
 
 def _streaming(behaviour):
     def call(request, context):
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             yield from behaviour(request, context)
         except ServingError as e:

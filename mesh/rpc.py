@@ -51,10 +51,11 @@ def _status(serving: bool) -> int:
 
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
-                 max_workers: int = 16) -> tuple[grpc.Server, int, Health]:
-    """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves)."""
+                 max_workers: int = 16, max_request_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int, Health]:
+    """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves).
+    A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[StatusInterceptor()],
-                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                         options=[("grpc.max_receive_message_length", max_request_bytes),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     names = []
     for add, servicer, name in services:

@@ -43,6 +43,7 @@ from mesh.settings import RouterSettings
 from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
+from router.limits import fit
 from router.policy import Decision, NoInstance, route
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -128,8 +129,7 @@ class RouterCore:
                 SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
             except RequestError as e:
                 raise RequestError(f"sampling: {e}", param=e.param) from None
-            if not ids:
-                raise RequestError("prompt must not be empty", param="prompt")
+            sampling = fit(ids, sampling, self.config.vocab_size, self.config.max_model_len)
             for response in self._stream(request_id, ids, sampling, call, started):
                 if response.HasField("final"):
                     self._record(response.final)

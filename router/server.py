@@ -56,6 +56,7 @@ class RouterInstance(Instance):
     """A router: both faces over one core, and the shared gRPC shell."""
 
     role = Role.ROUTER
+    max_request_bytes = 4 << 20  # a public request: far over any context's worth of text or token ids
 
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         super().__init__(settings, registry=registry)

@@ -52,6 +52,8 @@ def test_a_layout_that_does_not_fit_exits_2_naming_the_factors(tiny_checkpoint):
     (["--temperature", "-1"], "error: temperature must be >= 0, got -1.0"),
     (["--top-p", "0"], r"error: top_p must be in (0, 1], got 0.0"),
     (["--max-tokens", "0"], "error: max_tokens must be >= 1, got 0"),
+    (["--max-tokens", "-1", "--target", "127.0.0.1:1"], "error: max_tokens must be >= 1, got -1"),  # before dialing
+    (["--top-k", "-2", "--target", "127.0.0.1:1"], "error: top_k must be >= 0"),
     (["--top-k", "-2"], "error: top_k must be >= 0"),
     (["--model", "missing-model"], "error: unknown model 'missing-model'"),
     (["--dtype", "int8"], "error: dtype must be one of float32, bfloat16, float16, got 'int8'"),
