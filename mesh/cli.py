@@ -184,12 +184,14 @@ def up(
     metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
+    admin_token: str = typer.Option("", envvar="INFERMESH_ADMIN_TOKEN", show_default=False,
+                                    help="Scale and drain need this bearer token (prefer the variable)."),
 ) -> None:
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
-                metrics=metrics, dtype=dtype)
+                metrics=metrics, dtype=dtype, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():

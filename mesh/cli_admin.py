@@ -11,8 +11,10 @@ Every command reaches the mesh through its router (`Admin.ListInstances` gives e
 address). `scale` on a local mesh asks the `infermesh up` supervisor (registered with role
 `supervisor`), which starts instances or drains the newest; with `--kubernetes` it patches the scale of
 the role's workload of the Helm release instead (`kubernetes_scale_patch`). `plan` reads the router's
-metrics in windows and prints what `mesh.planner` recommends (and scales to it with --apply). Failures
-exit 1 with one line naming the target and the status; bad arguments exit 2.
+metrics in windows and prints what `mesh.planner` recommends (and scales to it with --apply). When the
+mesh has an admin token, drain, scale and plan --apply send it (`--admin-token` or INFERMESH_ADMIN_TOKEN);
+without it they are refused (UNAUTHENTICATED). Failures exit 1 with one line naming the target and the
+status; bad arguments exit 2.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mesh import planner
+from mesh.auth import ADMIN_TOKEN_ENV, credentials
 from mesh.metrics import scrape
 from mesh.planner import PlannerConfig
 from mesh.registry import InstanceInfo, InstanceState, Role
@@ -36,6 +39,11 @@ from mesh.registry.remote import ROLES, from_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 
 SCALABLE_ROLES = ("prefill", "decode")
+
+
+def _admin_token() -> str:
+    return typer.Option("", envvar=ADMIN_TOKEN_ENV, show_default=False,
+                        help=f"The mesh's admin bearer token, when it has one (prefer {ADMIN_TOKEN_ENV}).")
 
 
 def _exit(message: str, code: int = 1) -> None:
@@ -93,6 +101,7 @@ def drain(
     address: Optional[str] = typer.Option(None, help="HOST:PORT of the instance itself, instead of an id (preStop)."),
     timeout_s: float = typer.Option(0.0, help="Stop it after this long even if work is left (0: its own setting)."),
     wait: bool = typer.Option(False, "--wait", help="Return once it has left the mesh."),
+    admin_token: str = _admin_token(),
 ) -> None:
     """Drain one instance: it takes no new work, finishes what it holds, deregisters and exits."""
     if (instance_id is None) == (address is None):
@@ -104,7 +113,8 @@ def drain(
         address = found[0].address
     try:
         with grpc.insecure_channel(address) as ch:
-            status = internal_pb2_grpc.AdminStub(ch).Drain(internal_pb2.DrainRequest(timeout_s=timeout_s), timeout=10)
+            status = internal_pb2_grpc.AdminStub(ch).Drain(internal_pb2.DrainRequest(timeout_s=timeout_s), timeout=10,
+                                                           metadata=credentials(admin_token))
     except grpc.RpcError as e:
         _exit(f"{instance_id or address}: {e.code().name}: {e.details()}")
     typer.echo(f"{status.id} {common_pb2.InstanceState.Name(status.state).removeprefix('INSTANCE_STATE_')}")
@@ -163,6 +173,7 @@ def scale(
     multi_node: bool = typer.Option(False, "--multi-node",
                                     help="With --kubernetes: the role's instances are LeaderWorkerSets."),
     dry_run: bool = typer.Option(False, "--dry-run", help="With --kubernetes: print the patch, change nothing."),
+    admin_token: str = _admin_token(),
 ) -> None:
     """Scale a role to N instances: new ones register and get traffic, removed ones drain first."""
     if role not in SCALABLE_ROLES:
@@ -177,10 +188,10 @@ def scale(
         _patch_kubernetes(patch)
         typer.echo(f"{patch.plural}/{patch.name} in {namespace}: replicas {instances}")
         return
-    _scale_locally(target, role, instances)
+    _scale_locally(target, role, instances, admin_token)
 
 
-def _scale_locally(target: str, role: str, instances: int) -> None:
+def _scale_locally(target: str, role: str, instances: int, admin_token: str) -> None:
     supervisors = [i for i in _instances(target) if i.role is Role.SUPERVISOR]
     if not supervisors:
         _exit(f"the mesh at {target} has no `infermesh up` supervisor to start or stop processes; "
@@ -188,7 +199,8 @@ def _scale_locally(target: str, role: str, instances: int) -> None:
     try:
         with grpc.insecure_channel(supervisors[0].address) as ch:
             done = internal_pb2_grpc.SupervisorStub(ch).Scale(
-                internal_pb2.ScaleRequest(role=ROLES[Role(role)], instances=instances), timeout=900)
+                internal_pb2.ScaleRequest(role=ROLES[Role(role)], instances=instances), timeout=900,
+                metadata=credentials(admin_token))
     except grpc.RpcError as e:
         _exit(f"scale {role}: {e.code().name}: {e.details()}")
     for instance_id in done.started:
@@ -211,6 +223,7 @@ def plan(
     release: str = typer.Option("infermesh", help="With --kubernetes: the Helm release name."),
     multi_node: str = typer.Option("", "--multi-node",
                                    help="With --kubernetes: roles that are LeaderWorkerSets, e.g. prefill,decode."),
+    admin_token: str = _admin_token(),
 ) -> None:
     """Recommend prefill and decode instance counts from the live metrics against the SLOs (--apply: scale)."""
     config = PlannerConfig(ttft_slo_s=ttft_slo_ms / 1000, tpot_slo_s=tpot_slo_ms / 1000)
@@ -238,7 +251,7 @@ def plan(
                     _patch_kubernetes(kubernetes_scale_patch(role, n, namespace, release, lws))
                     typer.echo(f"{release}-{role} in {namespace}: replicas {n}")
                 else:
-                    _scale_locally(target, role, n)
+                    _scale_locally(target, role, n, admin_token)
 
 
 def _scrape(url: str) -> dict:

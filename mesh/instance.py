@@ -30,7 +30,7 @@ import uuid
 from typing import Callable, Sequence
 
 from engine.errors import Draining
-from mesh import rpc
+from mesh import auth, rpc
 from mesh.metrics import Metrics
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.registry.remote import to_message
@@ -170,6 +170,7 @@ class AdminService(internal_pb2_grpc.AdminServicer):
             instances=[to_message(i) for i in self.instance.registry.instances()])
 
     def Drain(self, request, context):
+        auth.require(self.instance.settings.admin_token, auth.bearer(context.invocation_metadata()), "Admin.Drain")
         if self.instance.begin_drain():
             threading.Thread(target=self.instance.finish_drain, args=(request.timeout_s or None,),
                              name="drain", daemon=True).start()

@@ -30,6 +30,8 @@ class ServiceSettings:
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
     drain_timeout_s: float = 60.0  # a drain stops the instance after this long even if work is left
+    # when set, Admin.Drain needs `authorization: Bearer <token>` (INFERMESH_ADMIN_TOKEN); never shown in a repr
+    admin_token: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

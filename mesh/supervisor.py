@@ -24,14 +24,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import RequestError, Unsupported
-from mesh import rpc
+from mesh import auth, rpc
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 from mesh.registry.memory import MemoryRegistry
 from mesh.registry.remote import RegistryService, from_role
@@ -63,6 +63,7 @@ class MeshSpec:
     dtype: str = "bfloat16"
     kv_cache_bytes: int = 1 << 30
     startup_timeout_s: float = 300.0
+    admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
 
     def __post_init__(self) -> None:
         if self.decode < 1:
@@ -147,11 +148,16 @@ class Supervisor:
         attach = ["--experts", self._experts[next(self._attached) % len(self._experts)]] if self._experts else []
         return self._spawn(f"{role.value}-{next(self._numbers[role])}", role, module, args + attach)
 
+    def _environment(self) -> dict[str, str]:
+        """A child's: this process's, its parent pid, the admin token (never on a command line, where ps shows it)."""
+        token = {auth.ADMIN_TOKEN_ENV: self.spec.admin_token} if self.spec.admin_token else {}
+        return {**os.environ, "INFERMESH_PARENT_PID": str(os.getpid()), **token}
+
     def _spawn(self, name: str, role: Role, module: str, args: list[str]) -> Child:
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "INFERMESH_PARENT_PID": str(os.getpid())})
+                                       env=self._environment())
         child = Child(name, role, process, log)
         with self._lock:
             self.children.append(child)
@@ -249,6 +255,7 @@ class SupervisorService(internal_pb2_grpc.SupervisorServicer):
         self.supervisor = supervisor
 
     def Scale(self, request, context):
+        auth.require(self.supervisor.spec.admin_token, auth.bearer(context.invocation_metadata()), "Supervisor.Scale")
         role = from_role(request.role)
         started, drained = self.supervisor.scale(role, request.instances)
         return internal_pb2.ScaleResponse(started=started, drained=drained, instances=request.instances)

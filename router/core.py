@@ -22,7 +22,6 @@ no torch in the router process.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import itertools
 import threading
 import time
@@ -31,11 +30,11 @@ from typing import Callable, Iterator
 import grpc
 
 from engine.block_manager import prefix_hashes
-from engine.errors import RequestError, ServingError, Unauthenticated, UnknownModel
+from engine.errors import RequestError, ServingError, UnknownModel
 from engine.model_info import load_model_info
 from engine.sampling_params import SamplingParams
 from kvtransfer import transports
-from mesh import rpc
+from mesh import auth, rpc
 from mesh.errors import from_status, status_code
 from mesh.metrics import Metrics
 from mesh.registry import Registry, Role
@@ -82,11 +81,7 @@ class RouterCore:
         """A new request: the instance serves, the caller's `Bearer` token is right (when one is set) and
         it asks for the model served here ("" means that one)."""
         self._admit()
-        expected = self.settings.api_token
-        if expected:
-            given = (authorization or "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                raise Unauthenticated("a valid API token is required: 'authorization: Bearer <token>'")
+        auth.require(self.settings.api_token, authorization, "the API")
         if model and model != self.settings.model:
             raise UnknownModel(f"model {model!r} is not served here; served: {self.settings.model!r}", param="model")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 
+from mesh.auth import bearer
 from mesh.instance import Instance
 from mesh.registry import InstanceState, Registry, Role
 from mesh.service import serve
@@ -20,10 +21,6 @@ from router.core import RouterCore
 from router.http import HttpFront
 
 
-def _authorization(context) -> str | None:
-    return next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-
-
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """The gRPC face."""
 
@@ -31,11 +28,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.core = core
 
     def ListModels(self, request, context):
-        self.core.admit(_authorization(context))
+        self.core.admit(bearer(context.invocation_metadata()))
         return inference_pb2.ListModelsResponse(models=[self.core.model_card()])
 
     def Generate(self, request, context):
-        self.core.admit(_authorization(context), request.model)
+        self.core.admit(bearer(context.invocation_metadata()), request.model)
         if request.HasField("token_ids"):
             ids = self.core.prompt_ids(ids=list(request.token_ids.ids))
         else:
@@ -43,7 +40,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         yield from self.core.stream(ids, request.sampling, _request_id(request.request_id), context)
 
     def Chat(self, request, context):
-        self.core.admit(_authorization(context), request.model)
+        self.core.admit(bearer(context.invocation_metadata()), request.model)
         ids = self.core.chat_ids([(m.role, m.content) for m in request.messages])
         yield from self.core.stream(ids, request.sampling, _request_id(request.request_id), context)
 

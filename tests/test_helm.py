@@ -76,6 +76,7 @@ def test_default_values_give_one_gpu_pod_per_instance_redis_and_grpc_probes():
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in \
             workload["spec"]["template"]["spec"]["volumes"]
     assert gpus(containers(router)[0]) == (0, 0) and "--http-port=8001" in containers(router)[0]["args"]
+    assert not [e for c in containers(decode) for e in c["env"] if e["name"] == "INFERMESH_ADMIN_TOKEN"]
     service = rendered["Service", "mesh-router"]
     assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}
     assert rendered["PodDisruptionBudget", "mesh-decode"]["spec"]["selector"]["matchLabels"][
@@ -106,6 +107,11 @@ def test_a_multi_node_gpu_cluster_renders_leader_worker_sets_that_follow_the_ran
     assert ("Deployment", "mesh-redis") not in rendered
     router_args = containers(rendered["Deployment", "mesh-router"])[0]["args"]
     assert "--registry=redis://redis.infra.svc:6379/0" in router_args and "--trace=otlp" in router_args
+    admin_token = {"name": "INFERMESH_ADMIN_TOKEN",
+                   "valueFrom": {"secretKeyRef": {"name": "infermesh-admin", "key": "token"}}}
+    for container in (leader, worker, *(containers(rendered["Deployment", f"mesh-{role}"])[0]
+                                        for role in ("router", "decode", "expert"))):
+        assert admin_token in container["env"]  # the preStop drain and the instance's check both read it
     monitor = rendered["ServiceMonitor", "mesh"]
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"

@@ -25,9 +25,10 @@ from tests.test_router import GREEDY, generate
 INFERMESH = str(Path(sys.executable).parent / "infermesh")
 
 
-def start_mesh(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start_mesh(model: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([INFERMESH, "up", "--model", model, "--port", "0", "--dtype", "float32", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     for line in proc.stdout:
         if line.startswith("infermesh ready on "):
             return proc, line.split()[3]
@@ -65,8 +66,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120)
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
 
 
 def started(address: str) -> list[dict]:

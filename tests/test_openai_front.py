@@ -190,7 +190,7 @@ def test_unauthenticated_overloaded_unavailable_and_timed_out_requests_get_401_4
                                                                                        "code"}
             assert error["type"] == kind and words in error["message"] and words in e.value.body["message"]
 
-        refused(secured, 401, "authentication_error", "API token is required", openai.AuthenticationError)
+        refused(secured, 401, "authentication_error", "the API needs a valid token", openai.AuthenticationError)
         assert openai.OpenAI(base_url=secured, api_key="s3cret", max_retries=0).completions.create(
             model=str(folder), prompt=PROMPT, max_tokens=2).choices
         with grpc.insecure_channel(routers[0].address) as ch:  # the gRPC face asks for the same token

@@ -51,6 +51,13 @@ redis://{{ .Release.Name }}-redis:6379/0
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ .Values.tracing.otlpEndpoint | quote }}
 {{- end }}
+{{- with .Values.adminTokenSecret }}
+- name: INFERMESH_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: token
+{{- end }}
 {{- end }}
 
 {{/* Volumes: /dev/shm in memory, and the model from its source. */}}
