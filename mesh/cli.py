@@ -131,10 +131,11 @@ def _remote_stream(target: str, prompt: str, chat: bool, sampling: dict):
     """The same, through a mesh's router over gRPC."""
     import grpc
 
+    from mesh import rpc
     from protos.convert import FINISH_REASONS
     from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(target))
+    stub = inference_pb2_grpc.InferenceStub(rpc.channel(target))
     params = common_pb2.SamplingParams(**sampling)
     if chat:
         call = stub.Chat(inference_pb2.ChatRequest(messages=[inference_pb2.ChatMessage(role="user", content=prompt)],

@@ -30,7 +30,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mesh import planner
+from mesh import planner, rpc
 from mesh.auth import ADMIN_TOKEN_ENV, credentials
 from mesh.metrics import scrape
 from mesh.planner import PlannerConfig
@@ -53,7 +53,7 @@ def _exit(message: str, code: int = 1) -> None:
 
 def _instances(target: str) -> list[InstanceInfo]:
     try:
-        with grpc.insecure_channel(target) as ch:
+        with rpc.channel(target) as ch:
             found = internal_pb2_grpc.AdminStub(ch).ListInstances(internal_pb2.ListInstancesRequest(), timeout=10)
     except grpc.RpcError as e:
         _exit(f"{target}: {e.code().name}: {e.details()}")
@@ -112,7 +112,7 @@ def drain(
             _exit(f"no instance {instance_id!r} in the mesh at {target}", code=2)
         address = found[0].address
     try:
-        with grpc.insecure_channel(address) as ch:
+        with rpc.channel(address) as ch:
             status = internal_pb2_grpc.AdminStub(ch).Drain(internal_pb2.DrainRequest(timeout_s=timeout_s), timeout=10,
                                                            metadata=credentials(admin_token))
     except grpc.RpcError as e:
@@ -127,7 +127,7 @@ def drain(
 def _answers(address: str) -> bool:
     """Whether an instance still serves Admin at `address` (a drained one stops once its work is done)."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with rpc.channel(address) as ch:
             internal_pb2_grpc.AdminStub(ch).Status(internal_pb2.StatusRequest(), timeout=2)
         return True
     except grpc.RpcError:
@@ -197,7 +197,7 @@ def _scale_locally(target: str, role: str, instances: int, admin_token: str) -> 
         _exit(f"the mesh at {target} has no `infermesh up` supervisor to start or stop processes; "
               "on Kubernetes use --kubernetes", code=2)
     try:
-        with grpc.insecure_channel(supervisors[0].address) as ch:
+        with rpc.channel(supervisors[0].address) as ch:
             done = internal_pb2_grpc.SupervisorStub(ch).Scale(
                 internal_pb2.ScaleRequest(role=ROLES[Role(role)], instances=instances), timeout=900,
                 metadata=credentials(admin_token))

@@ -44,6 +44,7 @@ DRAIN_POLL_S = 0.05
 class Instance:
     role: Role
     max_request_bytes = rpc.MAX_MESSAGE_BYTES  # the largest request its gRPC server takes
+    client_certs = True  # with TLS on: only peers with the mesh's certificates may call it
 
     def __init__(self, settings: ServiceSettings, instance_id: str | None = None,
                  registry: Registry | None = None) -> None:
@@ -83,7 +84,8 @@ class Instance:
         s = self.settings
         admin = (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin")
         self.server, port, self.health = rpc.start_server(s.bind_host or s.host, s.port, [*services, admin],
-                                                          serving=False, max_request_bytes=self.max_request_bytes)
+                                                          serving=False, max_request_bytes=self.max_request_bytes,
+                                                          client_certs=self.client_certs)
         self.address = f"{s.host}:{port}"
         self.metrics.serve(s.host, s.metrics_port, s.bind_host)
         with self._lock:

