@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import grpc
 
 from engine.block_manager import prefix_hashes
-from engine.errors import RequestError, ServingError, UnknownModel
+from engine.errors import DeadlineExceeded, RequestError, ServingError, UnknownModel
 from engine.model_info import load_model_info
 from engine.sampling_params import SamplingParams
 from kvtransfer import transports
@@ -46,6 +46,9 @@ from router.limits import fit
 from router.policy import Decision, NoInstance, route
 
 CHAT_ROLES = ("system", "user", "assistant")
+
+
+CANCEL_TIMEOUT_S = 2.0  # for freeing a failed request's reservation on decode
 
 
 class RouterCore:
@@ -238,14 +241,29 @@ class RouterCore:
     def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
         metadata = outgoing_metadata()
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
-        if chosen.prefill is None or resume:
-            request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
-                                                 sampling=sampling, resume_token_ids=resume)
-        else:
-            request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
-        responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
-        call.add_callback(responses.cancel)  # the client left: stop the work downstream
-        yield from responses
+        reserved = chosen.prefill is not None and not resume
+        finished = False
+        try:
+            if reserved:
+                request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
+            else:
+                request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                                     sampling=sampling, resume_token_ids=resume)
+            responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
+            call.add_callback(responses.cancel)  # the client left: stop the work downstream
+            yield from responses
+            finished = True
+        finally:
+            if reserved and not finished:  # a reservation Decode may never have joined: free it now (else a no-op)
+                self._cancel(decode, rid)
+
+    @staticmethod
+    def _cancel(decode, rid: str) -> None:
+        """Best effort, on its own short deadline (the request's may have passed); a lease frees it otherwise."""
+        try:
+            decode.Cancel(internal_pb2.CancelRequest(request_id=rid), timeout=CANCEL_TIMEOUT_S)
+        except grpc.RpcError:
+            pass
 
     def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
         target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
@@ -255,7 +273,10 @@ class RouterCore:
             prefill = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address))
             done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
                                                                target=target), timeout=timeout, metadata=metadata)
-        except grpc.RpcError:  # the prefill instance failed: decode recomputes the prompt in its reservation
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # out of time: no recompute on decode either
+                raise DeadlineExceeded(f"prefill on {chosen.prefill.id}: {e.details()}") from None
+            # the prefill instance failed: decode recomputes the prompt in its reservation
             return internal_pb2.DecodeRequest(request_id=rid, kv_status=internal_pb2.KV_STATUS_FAILED)
         logprobs = done.first_logprobs if done.HasField("first_logprobs") else None
         return internal_pb2.DecodeRequest(request_id=rid, first_token_id=done.first_token_id, kv_status=done.kv_status,
