@@ -2,13 +2,18 @@
 prefill instance (CP=2) and a decode instance (TP=2) attached to it; greedy tokens through the router equal
 transformers'; status shows placement, tokens per expert and the attached instances; bad attaches are refused;
 when the expert instance dies, its attached decode instance fails at once and the router serves the request
-elsewhere."""
+elsewhere; when it hangs (SIGSTOP) or dies mid-stream, the attached instances fail within expert_timeout_s
+and the stream migrates."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,17 +23,23 @@ import pytest
 import torch
 
 from decode_svc.server import DecodeInstance
+from engine import LLM, SamplingParams
 from expert_svc.server import ExpertInstance
 from mesh.registry import InstanceState, MemoryRegistry
 from mesh.rpc import channel
 from mesh.settings import DecodeSettings, ExpertSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
-from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
+from protos.convert import sampling_message
+from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
+from tests.test_lifecycle import wait_until
+from tests.test_mesh_processes import assert_exited, descendants
 from tests.test_metrics import scrape, value
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import generate
+
+EXPERT_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -155,3 +166,68 @@ def test_upcycled_smollm2_through_an_expert_instance_gives_the_dense_model_token
     finally:
         for instance in (router, decode, experts):
             instance.stop()
+
+
+def first_delta_then_rest(address: str, prompt: list[int], params: SamplingParams):
+    """A started stream: (an event set at its first delta, a future of all its token ids)."""
+    arrived, pool = threading.Event(), ThreadPoolExecutor(1)
+
+    def read() -> list[int]:
+        tokens = []
+        for r in inference_pb2_grpc.InferenceStub(channel(address)).Generate(inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=prompt), sampling=sampling_message(params)), timeout=120):
+            tokens += r.delta.token_ids
+            arrived.set()
+        return tokens
+
+    future = pool.submit(read)
+    pool.shutdown(wait=False)
+    return arrived, future
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["hangs", "dies"])
+def test_an_expert_instance_that_hangs_or_dies_mid_step_fails_its_attached_instances_in_time(tiny_checkpoint,
+                                                                                             fault):
+    """Mid-stream, the expert instance is stopped (a hung peer) or killed: the attached decode instance's step
+    fails within expert_timeout_s and the router migrates the stream to a decode instance that runs its own
+    experts; the attached prefill instance's next step fails the same way and decode recomputes the prompt.
+    Every client gets the engine's tokens; no process is left behind."""
+    folder, hf = tiny_checkpoint("mixtral")
+    before = set(descendants(os.getpid()))
+    proc, address = start_expert_process(folder, ep=2)
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log must not fill the pipe
+    expert_pids = [proc.pid, *descendants(proc.pid)]
+    registry = MemoryRegistry()
+    common = dict(model=str(folder), dtype="float32")
+    attached = dict(experts=address, expert_timeout_s=EXPERT_TIMEOUT_S, kv_cache_bytes=1 << 22, **common)
+    instances = [PrefillInstance(PrefillSettings(**attached), registry=registry),
+                 DecodeInstance(DecodeSettings(**attached), registry=registry),
+                 DecodeInstance(DecodeSettings(kv_cache_bytes=1 << 21, **common), registry=registry),  # fewer free
+                 RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=0), registry=registry)]
+    prefill, decode, standalone, router = instances  # least_load: the attached decode first, for its free blocks
+    try:
+        wait_until(lambda: len(registry.instances()) == 4)
+        prompt, long = [5, 9, 13, 17], SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        arrived, streaming = first_delta_then_rest(router.address, prompt, long)
+        assert arrived.wait(60) and decode.core.status()["active_requests"] == 1  # the attached one streams
+        faulted_at = time.monotonic()
+        for pid in expert_pids:
+            os.kill(pid, fault)
+        wait_until(lambda: decode.core.failed, timeout_s=EXPERT_TIMEOUT_S + 30)
+        assert time.monotonic() - faulted_at < EXPERT_TIMEOUT_S + 30  # bounded by the timeout: no rank hangs
+        reference = LLM(str(folder), dtype="float32").generate([prompt], long)[0].token_ids  # EOS and on, not
+        assert streaming.result(timeout=120) == reference  # transformers' min_new_tokens; migrated: one stream
+        assert scrape(router.metrics.url)[("infermesh_migrations_total", ())] == 1
+        long_prompt = [5 + i % 200 for i in range(40)]  # prefilled on the attached prefill instance: it fails
+        assert generate(router.address, long_prompt)[0] == hf_greedy(hf, long_prompt, 6)[0]
+        assert prefill.core.failed and not standalone.core.failed
+        spawned = set(descendants(os.getpid())) - before
+    finally:
+        for instance in instances:
+            instance.stop()
+        for pid in expert_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert_exited(sorted(spawned))
