@@ -1,5 +1,6 @@
 """MoE experts on other processes: an attention engine (one rank, TP=2 or CP=2) attached to expert ranks
-in one gloo group. Greedy tokens equal transformers; expert ranks that receive no tokens in a step are fine."""
+in one gloo group. Greedy tokens equal transformers, also when most expert ranks receive no tokens in a step
+(four ranks of one expert each, top-2, one token a step: every layer computed exactly two rows a step)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_attached_experts_give_the_transformers_tokens(tiny_checkpoint, arch, la
     for w in workers:
         w.start()
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    lengths = (1,) if expert_ranks == 4 else (1, 9, 40)  # 4 ranks: one token a step, so most ranks get none
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in lengths]
     try:
         with LLM(str(folder), dtype="float32", experts=ExpertAttachment(address=address, group="attach-1",
                                                                          expert_ranks=expert_ranks), **layout) as llm:
@@ -74,5 +76,6 @@ def test_attached_experts_give_the_transformers_tokens(tiny_checkpoint, arch, la
         assert out.token_ids == hf_greedy(hf, prompt, STEPS)[0]
     per_rank = {r: sum(map(sum, c)) for r, c in counts.items()}
     assert all(n > 0 for n in per_rank.values())  # every expert rank computed rows
-    if expert_ranks == 4:  # one expert per rank, top-2: every single-token step left two ranks without tokens
-        assert all(len(layer) == 1 for c in counts.values() for layer in c)
+    if expert_ranks == 4:  # one expert per rank, top-2, one token a step: two rows a step, so two ranks had none
+        layers = len(counts[0])
+        assert [sum(counts[r][layer][0] for r in counts) for layer in range(layers)] == [2 * STEPS] * layers

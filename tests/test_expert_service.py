@@ -3,7 +3,8 @@ prefill instance (CP=2) and a decode instance (TP=2) attached to it; greedy toke
 transformers'; status shows placement, tokens per expert and the attached instances; bad attaches are refused;
 when the expert instance dies, its attached decode instance fails at once and the router serves the request
 elsewhere; when it hangs (SIGSTOP) or dies mid-stream, the attached instances fail within expert_timeout_s
-and the stream migrates."""
+and the stream migrates. Every real service (router, prefill, decode, expert) answers grpc.health.v1 and
+server reflection."""
 
 from __future__ import annotations
 
@@ -21,23 +22,25 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
 from decode_svc.server import DecodeInstance
 from engine import LLM, SamplingParams
 from expert_svc.server import ExpertInstance
 from mesh.registry import InstanceState, MemoryRegistry
-from mesh.rpc import channel
+from mesh.rpc import LIVENESS, channel
 from mesh.settings import DecodeSettings, ExpertSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
-from tests.test_lifecycle import wait_until
+from tests.test_lifecycle import health, wait_until
 from tests.test_mesh_processes import assert_exited, descendants
 from tests.test_metrics import scrape, value
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import generate
+from tests.test_rpc_and_tracing import by_reflection
 
 EXPERT_TIMEOUT_S = 5.0
 
@@ -92,6 +95,19 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
     scraped = scrape(experts.metrics.url)  # and on its Prometheus endpoint
     assert {(layer, e): value(scraped, "infermesh_expert_tokens_total", layer=str(layer), expert=str(e))
             for layer in range(2) for e in range(4)} == exported
+
+
+def test_every_real_service_answers_health_and_reflection(expert_mesh):
+    """A client that knows none of our stubs finds each instance's service and Admin by reflection, calls
+    Admin.Status with what reflection describes, and reads SERVING from grpc.health.v1."""
+    router, prefill, decode, experts, _ = expert_mesh
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for instance, service in ((router, "Inference"), (prefill, "Prefill"), (decode, "Decode"), (experts, "Expert")):
+        services, status = by_reflection(instance.address, "infermesh.v1.Admin", "Status")
+        assert {f"infermesh.v1.{service}", "infermesh.v1.Admin", "grpc.health.v1.Health"} <= services
+        assert status.id == instance.id
+        for name in ("", f"infermesh.v1.{service}", "infermesh.v1.Admin", LIVENESS):
+            assert health(instance.address, name) == serving, (instance.id, name)
 
 
 def test_attach_refuses_another_model_and_zero_ranks_and_detach_forgets(expert_mesh):

@@ -1,6 +1,9 @@
-"""KV transports move the KV bit-exactly into reserved blocks, and fail clearly: gRPC stream over loopback."""
+"""KV transports move the KV bit-exactly into reserved blocks, and fail clearly: gRPC stream over loopback
+(bit for bit between block sizes; refused, unreachable and timed out — then recomputed on decode)."""
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 import pytest
@@ -14,7 +17,7 @@ from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
 from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState
 from mesh.rpc import start_server
-from protos.infermesh.v1 import internal_pb2_grpc
+from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -44,18 +47,27 @@ def pair(tiny_checkpoint):
     server.stop(None)
 
 
-def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, prompt: list[int]):
+def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, prompt: list[int],
+             timeout_s: float = 60.0):
+    """Prefill `prompt` and push its KV into a reservation on decode: (the sink, the first token, the prefill
+    side's block table: its blocks keep the KV until another prompt takes them)."""
     seq = decode.reserve(request_id, prompt, GREEDY)
     target = DecodeLayout(head_ranges=((0, decode.model_config.num_kv_heads),), block_size=16,
                           block_table=tuple(seq.block_table), first_token=seq.num_cached_prompt_tokens)
     sink = PlanSink(num_tokens=len(prompt), num_kv_heads=prefill.model_config.num_kv_heads, block_size=8, target=target,
-                    senders=[GrpcStreamSender(channel, request_id, 0)])
+                    senders=[GrpcStreamSender(channel, request_id, 0, timeout_s=timeout_s)])
     prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_sink=sink)
+    freed, free = [], prefill.blocks.free  # the request's table, as it is freed (and emptied) when it finishes
+    prefill.blocks.free = lambda table: freed.append(list(table)) or free(table)
     first = None
-    while prefill.has_unfinished():
-        for out in prefill.step():
-            first = out.new_token_ids[0]
-    return sink, first
+    try:
+        while prefill.has_unfinished():
+            for out in prefill.step():
+                first = out.new_token_ids[0]
+    finally:
+        prefill.blocks.free = free
+    (source_table,) = freed
+    return sink, first, source_table
 
 
 def test_grpc_stream_moves_kv_between_block_sizes_and_decode_continues_exactly(pair):
@@ -65,11 +77,16 @@ def test_grpc_stream_moves_kv_between_block_sizes_and_decode_continues_exactly(p
     expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
     outs = {}
     for i, prompt in enumerate(prompts):
-        sink, first = transfer(prefill, decode, channel, f"r{i}", prompt)
+        sink, first, source_table = transfer(prefill, decode, channel, f"r{i}", prompt)
         stats = sink.finish()
         assert all(s.state is TransferState.DONE for s in sink.senders)
         layers, heads, head_dim = 2, decode.model_config.num_kv_heads, decode.model_config.head_dim
         assert stats.bytes == layers * 2 * len(prompt) * heads * head_dim * 4
+        target_table = decode._sequences[f"r{i}"].block_table
+        for (source_k, source_v), (k, v) in zip(prefill.kv_cache, decode.kv_cache):  # bit for bit, every token
+            for t in range(len(prompt)):
+                source, slot = (source_table[t // 8], t % 8), (target_table[t // 16], t % 16)
+                assert torch.equal(k[slot], source_k[source]) and torch.equal(v[slot], source_v[source])
         outs[f"r{i}"] = list(decode.join(f"r{i}", first).new_token_ids)
     while decode.has_unfinished():
         for out in decode.step():
@@ -94,6 +111,40 @@ def test_a_piece_outside_the_reserved_blocks_is_refused(pair):
     sender.send(0, Piece(0, 0, (0, 2), (0, 2), 0, outside * 16), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
     with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside one block reserved"):
         sender.finish(timeout_s=10)
+
+
+class HungKVTransfer(internal_pb2_grpc.KVTransferServicer):
+    """A decode side that takes the stream and never answers (a peer stuck in a long pause)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def Push(self, request_iterator, context):
+        self.release.wait(60)
+        return internal_pb2.PushResponse()
+
+
+def test_a_transfer_that_times_out_is_recomputed_on_decode(pair):
+    prefill, decode, _, reference = pair
+    hung = HungKVTransfer()
+    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, hung,
+                                                     "infermesh.v1.KVTransfer")])
+    prompt = [5 + i % 100 for i in range(37)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            sink, first, _ = transfer(prefill, decode, channel, "t", prompt, timeout_s=2)
+            with pytest.raises(TransferError, match="DEADLINE_EXCEEDED"):  # timed out, not refused
+                sink.finish()
+    finally:
+        hung.release.set()
+        server.stop(None)
+    decode.recompute("t")  # what the decode service does when the prefill reports the transfer failed
+    tokens = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.new_token_ids
+    assert tokens == reference.generate([prompt], GREEDY)[0].token_ids
+    assert decode.blocks.num_used_blocks == 0
 
 
 def test_an_unreachable_decode_fails_the_transfer_within_the_timeout():

@@ -13,6 +13,7 @@ import torch
 
 from decode_svc.server import DecodeInstance
 from engine import LLM, SamplingParams
+from mesh.metrics import scrape
 from mesh.registry import MemoryRegistry
 from mesh.rpc import channel
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
@@ -147,8 +148,10 @@ def test_a_decode_instance_that_is_gone_is_skipped_before_the_first_token(mesh):
     ghost = InstanceInfo(id="aaa-ghost", role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m",
                          state=InstanceState.SERVING, kv_blocks_total=10_000)
     registry.register(ghost, ttl_s=60)
+    retries = scrape(router.metrics.url).get(("infermesh_retries_total", ()), 0)
     try:
         tokens, _ = generate(router.address, [5, 6, 7])
         assert tokens == reference.generate([[5, 6, 7]], GREEDY)[0].token_ids
+        assert scrape(router.metrics.url)[("infermesh_retries_total", ())] == retries + 1  # the ghost was tried
     finally:
         registry.deregister("aaa-ghost")

@@ -31,19 +31,26 @@ def admin_server():
     server.stop(None)
 
 
-def test_a_client_without_our_stubs_lists_and_calls_the_service_by_reflection(admin_server):
-    address, _ = admin_server
+def by_reflection(address: str, service: str, method_name: str):
+    """(the services the server lists, the response of calling `service`/`method_name` with an empty request),
+    with nothing but what reflection tells."""
     with grpc.insecure_channel(address) as ch:
         database = ProtoReflectionDescriptorDatabase(ch)
-        assert "infermesh.v1.Admin" in database.get_services()
+        services = set(database.get_services())
         pool = descriptor_pool.DescriptorPool(database)
-        method = pool.FindServiceByName("infermesh.v1.Admin").FindMethodByName("Status")
+        method = pool.FindServiceByName(service).FindMethodByName(method_name)
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
-        call = ch.unary_unary("/infermesh.v1.Admin/Status", request_serializer=request_class.SerializeToString,
+        call = ch.unary_unary(f"/{service}/{method_name}", request_serializer=request_class.SerializeToString,
                               response_deserializer=response_class.FromString)
-        response = call(request_class(), timeout=10)
-        assert response.id == "x" and response.kv_blocks_total == 42
+        return services, call(request_class(), timeout=10)
+
+
+def test_a_client_without_our_stubs_lists_and_calls_the_service_by_reflection(admin_server):
+    address, _ = admin_server
+    services, response = by_reflection(address, "infermesh.v1.Admin", "Status")
+    assert "infermesh.v1.Admin" in services
+    assert response.id == "x" and response.kv_blocks_total == 42
 
 
 def test_the_standard_health_service_reports_each_service(admin_server):

@@ -67,14 +67,15 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out():
 
 def test_a_sequence_preempts_itself_when_it_is_the_newest():
     s = make(num_blocks=3, block_size=2)
-    old, new = seq(1, 3), seq(2, 1)
+    old, new = seq(1, 2), seq(2, 2)
     s.add(old)
     s.add(new)
-    run_step(s)  # old: 2 blocks + sampled -> 4 tokens; new: 1 block
-    run_step(s)  # old still fits in 2 blocks... then grows to need 3
-    run_step(s)
-    assert s.num_preemptions >= 1
-    assert old.status is SequenceStatus.RUNNING
+    run_step(s)  # both prefilled, one block each, and each sampled a 3rd token: one block is free
+    chunks = run_step(s)  # old takes the free block; new needs one too, and it is the newest: it yields itself
+    assert [(c.seq.request_id, c.num_tokens) for c in chunks] == [("r1", 1)]
+    assert s.num_preemptions == 1 and list(s.waiting) == [new] and s.running == [old]
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert len(old.block_table) == 2 and s.blocks.num_free_blocks == 1
 
 
 def test_finish_frees_blocks():
