@@ -68,6 +68,10 @@ class DecodeCore:
         threading.Thread(target=self._expire_leases, name="decode-leases", daemon=True).start()
         return self
 
+    def run_engine_here(self) -> None:
+        """Drive the engine from the calling thread (a process's main thread) until it stops."""
+        self._loop.run_here()
+
     def stop(self) -> None:
         self._expiring.set()
         self._loop.stop(on_stop=self._abort_all)

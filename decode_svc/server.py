@@ -156,6 +156,10 @@ class DecodeInstance(Instance):
         s = self.settings
         return {"parallel": {"tp": s.tp, "cp": 1, "ep": 1}, "block_size": s.block_size, **self.core.status()}
 
+    def run(self, until: threading.Event) -> None:
+        self.core.run_engine_here()  # until the engine stops or fails; then serve on until told
+        until.wait()
+
     def in_flight(self) -> int:
         return self.core.in_flight
 

@@ -8,6 +8,12 @@ engine has nothing to do. `stop()` ends the loop, runs `on_stop` there last (to
 abort what is unfinished), and is safe to call twice. If a step raises, the loop
 stops: `on_failure(error)` runs (to fail the requests waiting on it) and every
 later `call` raises `PeerFailed`; after `stop()` it raises `Draining`.
+
+`start()` runs the loop on a thread of its own; `run_here()` then moves it into the
+calling thread, between two steps, and returns when it stops. A serving process
+moves it into its main thread: on CPU, torch's intra-op threads (OpenMP, MKL)
+run matmuls 2-4x slower for any other thread (bench/RESULTS.md, "the engine's
+thread").
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Callable
 from engine.core import EngineCore, StepOutput
 from engine.errors import Draining, PeerFailed
 
+_MOVE = "move"  # a command: the loop's thread lets go of it (`run_here`)
+
 
 class EngineLoop:
     def __init__(self, engine: EngineCore, on_output: Callable[[StepOutput], None], name: str = "engine",
@@ -28,11 +36,20 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
+        self._finished = threading.Event()  # the loop has returned for good (stopped or failed)
+        self._runner: threading.Thread | None = None  # the thread the loop runs on
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    def run_here(self) -> None:
+        """Take the started loop into the calling thread (after the step in hand) and run it until it stops."""
+        self._commands.put(_MOVE)
+        self._thread.join()
+        if not self._finished.is_set():
+            self._run()
 
     def call(self, fn: Callable):
         """Run `fn()` on the loop thread between steps; its result, or its exception raised here."""
@@ -53,16 +70,27 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put((on_stop or (lambda: None), Future()))
         self._commands.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        if self._runner not in (None, threading.current_thread()):
+            self._finished.wait(timeout=30)  # on whichever thread runs it
 
     def _run(self) -> None:
+        self._runner = threading.current_thread()
+        moved = False
+        try:
+            moved = self._loop() is _MOVE
+        finally:
+            if not moved:
+                self._finished.set()
+
+    def _loop(self):
         while True:
             try:
                 item = self._commands.get(timeout=0 if self.engine.has_unfinished() else None)
             except queue.Empty:
                 item = False
             while item:
+                if item is _MOVE:
+                    return _MOVE
                 fn, done = item
                 try:
                     done.set_result(fn())
@@ -73,13 +101,13 @@ class EngineLoop:
                 except queue.Empty:
                     item = False
             if item is None:
-                return
+                return None
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
                 except Exception as e:
                     self._fail(e)
-                    return
+                    return None
                 for out in outputs:
                     self.on_output(out)
 
@@ -93,7 +121,7 @@ class EngineLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if item:
+            if item and item is not _MOVE:
                 item[1].set_exception(self._stopped_error())
 
     def _stopped_error(self) -> Exception:

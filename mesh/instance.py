@@ -76,6 +76,10 @@ class Instance:
     def close(self) -> None:
         """Stop what the service owns (engine, ranks, transports); called once, by `stop()`."""
 
+    def run(self, until: threading.Event) -> None:
+        """What the process's main thread does until `until` is set: a service with an engine drives it."""
+        until.wait()
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def serve(self, services: Sequence[tuple[Callable, object, str]],

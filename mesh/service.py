@@ -72,5 +72,7 @@ def serve(role: str, settings_class, start, argv: list[str] | None = None) -> No
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     threading.Thread(target=lambda: (instance.wait(), done.set()), name="instance-watch", daemon=True).start()
-    done.wait()
-    instance.stop()
+    stopper = threading.Thread(target=lambda: (done.wait(), instance.stop()), name="stopper")
+    stopper.start()
+    instance.run(done)  # the main thread drives the engine, where there is one
+    stopper.join()

@@ -62,6 +62,10 @@ class PrefillCore:
         self._loop.start()
         return self
 
+    def run_engine_here(self) -> None:
+        """Drive the engine from the calling thread (a process's main thread) until it stops."""
+        self._loop.run_here()
+
     def stop(self) -> None:
         self._loop.stop(on_stop=self._abort_all)
         self.engine.close()

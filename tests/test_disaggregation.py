@@ -13,6 +13,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.errors import KVCacheFull, NoReservation, PeerFailed
 from engine.weights import load_checkpoint
 from tests.conftest import TINY_VOCAB
+from tests.test_lifecycle import wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -129,3 +130,34 @@ def test_an_engine_step_that_raises_stops_the_loop_and_fails_its_waiters(engines
     with pytest.raises(PeerFailed, match="the engine failed: RuntimeError\\('device lost'\\)"):
         loop.call(lambda: None)
     loop.stop()  # safe after a failure
+
+
+def test_the_loop_moves_into_another_thread_between_steps_and_stops_there(engines):
+    """`run_here` (a service's main thread takes the loop): work in flight goes on, on the new thread; `stop()`
+    from elsewhere returns once that thread has stopped it; a loop stopped before the move is not run."""
+    import threading
+
+    from engine.loop import EngineLoop
+
+    _, decode, reference = engines
+    tokens, threads = [], set()
+
+    def on_output(out) -> None:
+        tokens.extend(out.new_token_ids)
+        threads.add(threading.current_thread().name)
+
+    prompt = prompts()[1]
+    loop = EngineLoop(decode, on_output=on_output, name="first").start()
+    loop.call(lambda: decode.add_request("r", prompt, GREEDY))
+    taker = threading.Thread(target=loop.run_here, name="taker")
+    taker.start()
+    assert loop.call(lambda: threading.current_thread().name) == "taker"
+    wait_until(lambda: not loop.call(decode.has_unfinished))
+    assert tokens == reference.generate([prompt], GREEDY)[0].token_ids and "taker" in threads
+    loop.stop()
+    taker.join(timeout=10)
+    assert not taker.is_alive()
+
+    stopped = EngineLoop(decode, on_output=on_output).start()
+    stopped.stop()
+    stopped.run_here()  # returns at once: nothing left to run

@@ -94,6 +94,9 @@ def spawn_rank(address: str, rank: int, host: str, threads: int, parent_pid: int
     return subprocess.Popen([sys.executable, "-m", "engine.parallel.launcher", *args])
 
 
+START_S = 120.0  # the least time ranks get to start and join
+
+
 class RankGroup:
     """Rank 0 (this process) of an instance: hosts the rendezvous, starts its local ranks 1..L-1, which run
     `follower(rank, store, config, timeout, *follower_args, host=their host)`, and waits for the rest to join."""
@@ -120,8 +123,9 @@ class RankGroup:
         self.plans: dist.ProcessGroup | None = None
 
     def connect(self) -> ParallelContext:
-        """Wait until every rank is up (failing fast if a local one dies), then form the groups."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        """Wait until every rank is up (failing fast if a local one dies), then form the groups. Starting a rank
+        (an interpreter, torch, the weights) may take longer than a collective may wait: at least START_S."""
+        deadline = time.monotonic() + max(self.timeout.total_seconds(), START_S)
         keys = [f"ready/{rank}" for rank in range(1, self.config.world_size)]
         while not self.store.check(keys):
             if any(p.poll() is not None for p in self.processes.values()) or time.monotonic() > deadline:

@@ -1,0 +1,106 @@
+"""The mesh against the engine it serves: decode tokens/s to N concurrent greedy streams, in-process
+(`LLM.generate` of N prompts) and through `infermesh up --prefill 0` (client -> router -> decode over
+gRPC), one after the other on this machine; and a matmul timed on the main thread and on another one
+(the reason a service drives its engine from its main thread).
+
+    python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from mesh import rpc  # noqa: E402
+from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+
+PROMPT = "Tell me a long story about a dragon and a knight."
+
+
+def matmul_us(rows: int = 1, dim: int = 576, out: int = 1536, runs: int = 2000) -> float:
+    x, w = torch.randn(rows, dim), torch.randn(dim, out)
+    for _ in range(200):
+        x @ w
+    start = time.perf_counter()
+    for _ in range(runs):
+        x @ w
+    return (time.perf_counter() - start) / runs * 1e6
+
+
+def on_another_thread(fn):
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def in_process(streams: list[int], tokens: int, dtype: str) -> dict[int, float]:
+    llm = LLM("smollm2-135m", dtype=dtype)
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
+    rates = {}
+    for n in streams:
+        start = time.monotonic()
+        llm.generate([ids] * n, params)
+        rates[n] = n * tokens / (time.monotonic() - start)
+    llm.close()
+    return rates
+
+
+def through_the_mesh(streams: list[int], tokens: int, dtype: str) -> dict[int, float]:
+    up = subprocess.Popen([str(Path(sys.executable).parent / "infermesh"), "up", "--port", "0", "--prefill", "0",
+                           "--dtype", dtype], stdout=subprocess.PIPE, text=True)
+    try:
+        address = next(line.split()[3] for line in up.stdout if line.startswith("infermesh ready on "))
+        threading.Thread(target=up.stdout.read, daemon=True).start()
+        stub = inference_pb2_grpc.InferenceStub(rpc.channel(address))
+        request = inference_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(
+            max_tokens=tokens, temperature=0.0, ignore_eos=True))
+
+        def one(_) -> int:
+            return sum(len(r.delta.token_ids) for r in stub.Generate(request, timeout=600))
+
+        one(0)
+        rates = {}
+        for n in streams:
+            start = time.monotonic()
+            with ThreadPoolExecutor(n) as pool:
+                total = sum(pool.map(one, range(n)))
+            rates[n] = total / (time.monotonic() - start)
+        return rates
+    finally:
+        up.send_signal(2)
+        up.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    engine = in_process(args.streams, args.tokens, args.dtype)
+    mesh = through_the_mesh(args.streams, args.tokens, args.dtype)
+    print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process |\n|---|---|---|---|")
+    for n in args.streams:
+        print(f"| {n} | {engine[n]:.1f} | {mesh[n]:.1f} | {mesh[n] / engine[n]:.2f} |")
+    main_us, other_us = matmul_us(), on_another_thread(matmul_us)  # last: torch on a second thread, then none
+    print(f"\nfp32 [1, 576] @ [576, 1536], {torch.get_num_threads()} threads: main thread {main_us:.1f} us, "
+          f"another thread {other_us:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
