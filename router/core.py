@@ -46,8 +46,6 @@ from router.limits import fit
 from router.policy import Decision, NoInstance, route
 
 CHAT_ROLES = ("system", "user", "assistant")
-
-
 CANCEL_TIMEOUT_S = 2.0  # for freeing a failed request's reservation on decode
 
 
