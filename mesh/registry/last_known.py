@@ -40,7 +40,7 @@ class LastKnown(Registry):
                 return found
         with self._lock:
             if role not in self._answers:
-                raise Unavailable("the registry is unreachable and this router has not read it yet") from None
+                raise Unavailable("the registry is unreachable and this router has not read it yet")
             return list(self._answers[role])
 
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
