@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
 from engine.model_info import resolve_model  # noqa: E402

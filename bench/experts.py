@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.moe import SparseMoE  # noqa: E402
 from engine.parallel.ep import ExpertExchange, all_to_all, expert_placement  # noqa: E402

@@ -21,7 +21,7 @@ import grpc
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
 from engine import LLM, SamplingParams  # noqa: E402
 from mesh import rpc  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.parallel.allreduce import AllReduceAlgorithm, all_reduce  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.moe import SparseMoE  # noqa: E402

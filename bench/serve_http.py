@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.model_info import load_model_info  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402

@@ -11,45 +11,41 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def run_quick(script: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run `bench/<script> --quick` as a user would; fail with its stderr if it fails."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_engine_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "engine.py"), "--quick"], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("engine.py", timeout=600)
     assert "| infermesh | bfloat16 |" in proc.stdout and "| transformers | float32 |" in proc.stdout
 
 
 def test_parallel_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "parallel.py"), "--quick"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("parallel.py", timeout=300)
     assert "| 4096 |" in proc.stdout
 
 
 @pytest.mark.slow
 def test_parallel_engine_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "parallel_engine.py"), "--quick"], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("parallel_engine.py", timeout=600)
     assert "| CP=2 (pass_kv) |" in proc.stdout and "| TP=2 |" in proc.stdout and "| 16 |" in proc.stdout
 
 
 def test_kernel_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--quick"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("kernel_throughput.py", timeout=300)
     assert "| paged decode attention |" in proc.stdout and "| MoE combine (top-2) |" in proc.stdout
 
 
 def test_kvtransfer_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "kvtransfer.py"), "--quick"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("kvtransfer.py", timeout=300)
     assert "| gRPC stream (loopback) |" in proc.stdout and "| torch p2p (gloo pair group) |" in proc.stdout
 
 
 def test_experts_bench_runs():
-    proc = subprocess.run([sys.executable, str(BENCH / "experts.py"), "--quick"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_quick("experts.py", timeout=300)
     assert "| 1 |" in proc.stdout and "| 16 |" in proc.stdout

@@ -1,7 +1,7 @@
 """Triton kernel throughput: paged decode attention, LSE merge, MoE permute/combine.
 
-    python bench/kernels.py            # on a CUDA GPU: GB/s against the GPU's memory bandwidth
-    python bench/kernels.py --quick    # anywhere: tiny sizes (on CPU through TRITON_INTERPRET=1: checks it runs)
+    python bench/kernel_throughput.py          # on a CUDA GPU: GB/s against the GPU's memory bandwidth
+    python bench/kernel_throughput.py --quick  # anywhere, tiny sizes (on CPU under TRITON_INTERPRET=1: it runs)
 
 GB/s counts the bytes each kernel must move at least once (KV read for decode,
 partials read + result written for the merge, rows read + written for permute),
@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.kernels.lse_merge import merge_lse  # noqa: E402
 from engine.kernels.moe_permute import combine_rows, permute_rows  # noqa: E402
