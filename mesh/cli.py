@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from mesh import cli_admin
+from mesh import cli_admin, tls
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="infermesh: serve LLMs as a mesh of disaggregated roles.")
@@ -238,7 +238,8 @@ def _mesh(spec: dict, log_dir: str | None):
         signal.signal(sig, lambda *_: stop.set())
     try:
         address = supervisor.start()
-        http = f"OpenAI API: http://{supervisor.http_address}/v1; " if supervisor.http_address else ""
+        scheme = "https" if tls.identity() else "http"  # the front speaks TLS when the mesh does
+        http = f"OpenAI API: {scheme}://{supervisor.http_address}/v1; " if supervisor.http_address else ""
         typer.echo(f"infermesh ready on {address}  ({http}logs: {supervisor.log_dir})")
         yield supervisor, stop
     except MeshError as e:

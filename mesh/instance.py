@@ -7,6 +7,7 @@
 - gRPC health (`grpc.health.v1`: every service of the server, and "") says SERVING only in SERVING:
   NOT_SERVING while STARTING and DRAINING; once STOPPED the server is gone. Its `liveness` entry stays
   SERVING while draining and turns NOT_SERVING when the engine fails (what a liveness probe asks).
+  With `health_port` set the same health is served there too, in plaintext and alone (TLS probes).
 - The registry record carries the state: the heartbeat renews it and every transition publishes it at
   once, so routers stop sending work to an instance as soon as it drains or fails.
 - New work passes `admit()`, which raises `Draining` (UNAVAILABLE at the gRPC edge) unless SERVING.
@@ -53,7 +54,7 @@ class Instance:
         self.registry = registry or connect_registry(settings.registry)
         self.state = InstanceState.STARTING
         self.address = ""
-        self.server = self.health = self.heartbeat = None
+        self.server = self.health = self.health_server = self.heartbeat = None
         self.metrics = Metrics(self.role.value, settings.metrics, settings.metrics_interval_s)
         self._lock = threading.Lock()  # transitions
         self._draining = False  # a drain began (it ends in stop)
@@ -91,6 +92,8 @@ class Instance:
                                                           serving=False, max_request_bytes=self.max_request_bytes,
                                                           client_certs=self.client_certs)
         self.address = f"{s.host}:{port}"
+        if s.health_port is not None:
+            self.health_server, _ = rpc.start_health_server(s.bind_host or s.host, s.health_port, self.health)
         self.metrics.serve(s.host, s.metrics_port, s.bind_host)
         with self._lock:
             self._enter(InstanceState.SERVING)
@@ -143,8 +146,9 @@ class Instance:
             self._enter(InstanceState.STOPPED)
         if self.heartbeat is not None:
             self.heartbeat.stop()  # deregisters
-        if self.server is not None:
-            self.server.stop(grace=None)
+        for server in (self.server, self.health_server):
+            if server is not None:
+                server.stop(grace=None)
         try:
             self.close()
         finally:

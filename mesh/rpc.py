@@ -80,6 +80,18 @@ def start_server(host: str, port: int, services: Sequence[tuple[Callable, object
     return server, bound, health_servicer
 
 
+def start_health_server(host: str, port: int, health_servicer: Health) -> tuple[grpc.Server, int]:
+    """A plaintext server with `health_servicer` alone (what the main server's health says, nothing else),
+    for probes that cannot speak TLS; it serves no other service, so TLS guards everything else."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the health server to {host}:{port}")
+    server.start()
+    return server, bound
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to a peer: TLS with this process's identity when `mesh.tls` says so, else plaintext."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -27,6 +27,8 @@ class ServiceSettings:
     metrics: str = "none"  # none | console | otlp | file:PATH (OpenTelemetry metrics)
     metrics_interval_s: float = 10.0
     metrics_port: int | None = 0  # Prometheus text at http://HOST:PORT/metrics (0: any free port; None: off)
+    # a plaintext port with grpc.health.v1 alone, for probes that cannot speak TLS (the kubelet's); None: off
+    health_port: int | None = None
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
     drain_timeout_s: float = 60.0  # a drain stops the instance after this long even if work is left
@@ -34,8 +36,9 @@ class ServiceSettings:
     admin_token: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port", "health_port"):
+            if not 0 <= (getattr(self, name) or 0) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < ttl_s ({self.ttl_s})")
         if self.drain_timeout_s < 0:

@@ -5,10 +5,12 @@
     INFERMESH_TLS_SERVER_NAME  optional: the name peers' certificates carry, when they are dialled by
                                address (pods by IP); unset, a certificate must name the host it is reached at
 
-All three files set: every server speaks TLS and, but for the router's public port, takes only clients
-that present a certificate from the CA (mutual TLS): a process without one cannot register, reserve KV,
-push KV or drain an instance. Every client checks the server's certificate and presents its own. The CA
-alone: a client (the CLI, a user's program) that checks the router's certificate and presents none.
+All three files set: every server speaks TLS (the router's HTTP front HTTPS, with the same certificate) and,
+but for the router's public ports, takes only clients that present a certificate from the CA (mutual TLS): a
+process without one cannot register, reserve KV, push KV or drain an instance. Every client checks the
+server's certificate and presents its own. The CA alone: a client (the CLI, a user's program) that checks the
+router's certificate and presents none. Probes that speak no TLS (the kubelet's) dial a service's
+`--health-port`, plaintext and health alone (`rpc.start_health_server`).
 Nothing set: plaintext. Anything else is an error naming what is missing.
 """
 
@@ -62,6 +64,16 @@ def server_credentials(me: Identity, client_certs: bool) -> grpc.ServerCredentia
         raise ValueError(f"a server needs {CERT} and {KEY}")
     return grpc.ssl_server_credentials([(me.key, me.cert)], root_certificates=me.ca,
                                        require_client_auth=client_certs)
+
+
+def server_files(environ: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
+    """(certificate path, key path) for a server that takes files (the HTTP front); None when TLS is off."""
+    me = identity(environ)
+    if me is None:
+        return None
+    if me.cert is None:
+        raise ValueError(f"a server needs {CERT} and {KEY}")
+    return environ[CERT], environ[KEY]
 
 
 def secure_channel(me: Identity, address: str, options: list[tuple[str, object]]) -> grpc.Channel:

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.errors import PeerFailed, RequestError, ServingError
+from mesh import tls
 from router import openai_api
 from router.core import RouterCore
 
@@ -220,8 +221,10 @@ class HttpFront:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((listen, port))
         self.address = f"{host}:{sock.getsockname()[1]}"
+        certificate, key = tls.server_files() or (None, None)  # HTTPS when the mesh speaks TLS
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=5, ssl_certfile=certificate,
+                                                    ssl_keyfile=key))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http-front",
                                         daemon=True)
         self._thread.start()

@@ -2,7 +2,8 @@
 GPU cluster's (helm/infermesh/ci/gpu-cluster-values.yaml); every rendered built-in manifest, and the pod
 templates inside each LeaderWorkerSet, pass `kubernetes-validate --strict`; what is rendered follows the
 values: GPUs equal to the ranks a pod runs, a LeaderWorkerSet of ranks / gpusPerNode pods for an instance
-that spans nodes, the router pointed at Redis, gRPC health probes, a drain before a pod stops."""
+that spans nodes, the router pointed at Redis, gRPC health probes, a drain before a pod stops, and with
+`tls.secret` the Secret mounted in every pod and probes on the plaintext health port."""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ def gpus(container: dict) -> tuple[int, int]:
     return resources.get("requests", {}).get("nvidia.com/gpu", 0), resources.get("limits", {}).get("nvidia.com/gpu", 0)
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu-cluster"])
+TLS = ["--set", "tls.secret=mesh-tls", "--set", "tls.serverName=infermesh.mesh"]
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS]],
+                         ids=["default", "gpu-cluster", "gpu-cluster-tls"])
 def test_the_chart_lints_and_renders_valid_kubernetes(values, tmp_path):
     lint = helm("lint", str(CHART), *values)
     assert lint.returncode == 0, lint.stdout + lint.stderr
@@ -115,6 +120,31 @@ def test_a_multi_node_gpu_cluster_renders_leader_worker_sets_that_follow_the_ran
     monitor = rendered["ServiceMonitor", "mesh"]
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_tls_mounts_the_secret_everywhere_and_probes_a_plaintext_health_port():
+    rendered = render("-f", str(GPU_VALUES), *TLS)
+    template = rendered["LeaderWorkerSet", "mesh-prefill"]["spec"]["leaderWorkerTemplate"]
+    pods = [template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"],
+            *(rendered["Deployment", f"mesh-{role}"]["spec"]["template"]["spec"] for role in ("router", "decode",
+                                                                                              "expert"))]
+    for pod in pods:
+        assert {"name": "tls", "secret": {"secretName": "mesh-tls"}} in pod["volumes"]
+        (container,) = pod["containers"]
+        assert {"name": "tls", "mountPath": "/etc/infermesh/tls", "readOnly": True} in container["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["INFERMESH_TLS_CA"] == "/etc/infermesh/tls/ca.crt"
+        assert env["INFERMESH_TLS_CERT"] == "/etc/infermesh/tls/tls.crt"
+        assert env["INFERMESH_TLS_KEY"] == "/etc/infermesh/tls/tls.key"
+        assert env["INFERMESH_TLS_SERVER_NAME"] == "infermesh.mesh"
+    for pod in (pods[0], *pods[2:]):  # every service's process: probes on the health port it serves
+        (container,) = pod["containers"]
+        assert "--health-port=8002" in container["args"]
+        assert {"name": "health", "containerPort": 8002} in container["ports"]
+        assert container["readinessProbe"]["grpc"] == container["startupProbe"]["grpc"] == {"port": 8002}
+        assert container["livenessProbe"]["grpc"] == {"port": 8002, "service": "liveness"}
+    missing_name = helm("template", "mesh", str(CHART), "--set", "tls.secret=mesh-tls")
+    assert missing_name.returncode != 0 and "tls.serverName" in missing_name.stderr
 
 
 def test_values_that_cannot_work_are_refused_with_a_reason():

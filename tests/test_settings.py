@@ -25,6 +25,8 @@ def test_values_are_validated():
         load(RouterSettings, {"heartbeat_s": 5.0}, {})
     with pytest.raises(ValueError, match="unknown setting"):
         load(RouterSettings, {"tp": 2}, {})
+    with pytest.raises(ValueError, match=r"health_port must be in \[0, 65535\], got 70000"):
+        load(DecodeSettings, {"health_port": 70000}, {})
 
 
 def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():

@@ -1,26 +1,33 @@
 """TLS on every gRPC hop of a real mesh (`infermesh up`, real processes), with a throwaway CA made here by
 the `cryptography` package: the mesh serves end to end (router, prefill, KV pushed over gRPC, decode)
-with tokens equal to the engine's; a client with only the CA may use the router's public API; to every
-other service a client without a certificate, with one from another CA, or in plaintext is refused —
-it can neither read, reserve KV nor register — while the mesh's certificate works."""
+with tokens equal to the engine's; a client with only the CA may use the router's public API, gRPC and
+HTTPS; to every other service a client without a certificate, with one from another CA, or in plaintext
+is refused — it can neither read, reserve KV nor register — while the mesh's certificate works. A
+`--health-port` answers plaintext health checks (the kubelet's probes) and nothing else."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from mesh import tls
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+from tests.conftest import free_port
 from tests.test_mesh_processes import cli, start_mesh, stop_mesh
 
 ONE_DAY = datetime.timedelta(days=1)
@@ -96,7 +103,8 @@ def refused(method, request) -> bool:
 def test_a_mesh_with_tls_serves_its_own_and_refuses_everyone_else(tiny_checkpoint, pki):
     folder, _ = tiny_checkpoint("llama")
     mesh_env = {tls.CA: str(pki["ca"]), tls.CERT: str(pki["cert"]), tls.KEY: str(pki["key"])}
-    proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "0", env=mesh_env)  # every prompt: prefill
+    proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "0", "--http-port", "0",
+                               env=mesh_env)  # every prompt through prefill
     status = cli("status", "--target", address, "--json", env={tls.CA: str(pki["ca"])})  # the CA alone: the router
     assert status.returncode == 0, status.stderr
     instances = json.loads(status.stdout)["instances"]
@@ -112,6 +120,10 @@ def test_a_mesh_with_tls_serves_its_own_and_refuses_everyone_else(tiny_checkpoin
         decode_status = internal_pb2_grpc.AdminStub(secure(by_role["decode"]["address"], pki["ca"], pki["cert"],
                                                            pki["key"])).Status(internal_pb2.StatusRequest(), timeout=10)
         assert decode_status.total_requests == 1 and decode_status.kv_blocks_used == 0  # the request went there
+        completion = httpx.post(f"https://{by_role['router']['http_address']}/v1/completions", verify=str(pki["ca"]),
+                                json={"prompt": result["prompt_token_ids"], "max_tokens": 8, "temperature": 0,
+                                      "ignore_eos": True}, timeout=60)
+        assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == result["text"]
 
         plaintext = grpc.insecure_channel(address)
         assert refused(inference_pb2_grpc.InferenceStub(plaintext).ListModels, inference_pb2.ListModelsRequest())
@@ -130,6 +142,33 @@ def test_a_mesh_with_tls_serves_its_own_and_refuses_everyone_else(tiny_checkpoin
         assert [i["id"] for i in json.loads(after.stdout)["instances"]] == [i["id"] for i in instances]
     finally:
         stop_mesh(proc, [i["pid"] for i in instances if i["role"] != "supervisor"])
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(tiny_checkpoint, pki):
+    folder, _ = tiny_checkpoint("llama")
+    health_port = free_port()
+    env = {**os.environ, tls.CA: str(pki["ca"]), tls.CERT: str(pki["cert"]), tls.KEY: str(pki["key"])}
+    router = subprocess.Popen([sys.executable, "-m", "router.server", "--model", str(folder), "--http-port", "0",
+                               "--health-port", str(health_port)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = router.stdout.readline()  # "router ID serving on ADDRESS (http HOST:PORT)"
+        address, http = ready.split()[4], ready.split()[-1].rstrip(")")
+        probe = grpc.insecure_channel(f"127.0.0.1:{health_port}")
+        for service in ("", "liveness"):  # what the kubelet's readiness and liveness probes ask
+            answer = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as nothing_else:
+            internal_pb2_grpc.AdminStub(probe).Status(internal_pb2.StatusRequest(), timeout=10)
+        assert nothing_else.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert refused(internal_pb2_grpc.AdminStub(grpc.insecure_channel(address)).Status,
+                       internal_pb2.StatusRequest())  # the service port itself still takes TLS only
+        assert httpx.get(f"https://{http}/health", verify=str(pki["ca"]), timeout=10).status_code == 200
+        with pytest.raises(httpx.HTTPError):  # no plaintext HTTP either
+            httpx.get(f"http://{http}/health", timeout=10)
+    finally:
+        router.terminate()
+        assert router.wait(timeout=30) == 0
 
 
 def test_tls_settings_that_cannot_work_are_named(tmp_path):

@@ -36,6 +36,9 @@ redis://{{ .Release.Name }}-redis:6379/0
 - --registry={{ include "infermesh.registryUrl" . }}
 - --metrics-port={{ .Values.metrics.port }}
 - --drain-timeout-s={{ .Values.drainTimeoutSeconds }}
+{{- if .Values.tls.secret }}
+- --health-port={{ .Values.ports.health }}
+{{- end }}
 {{- if .Values.tracing.otlpEndpoint }}
 - --trace=otlp
 - --metrics=otlp
@@ -58,6 +61,39 @@ redis://{{ .Release.Name }}-redis:6379/0
       name: {{ . }}
       key: token
 {{- end }}
+{{- if .Values.tls.secret }}
+- name: INFERMESH_TLS_CA
+  value: /etc/infermesh/tls/ca.crt
+- name: INFERMESH_TLS_CERT
+  value: /etc/infermesh/tls/tls.crt
+- name: INFERMESH_TLS_KEY
+  value: /etc/infermesh/tls/tls.key
+- name: INFERMESH_TLS_SERVER_NAME
+  value: {{ required "tls.serverName (the name the certificate carries: pods are dialled by IP) is needed with tls.secret" .Values.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+
+{{/* TLS: the Secret (ca.crt, tls.crt, tls.key: cert-manager's shape) read-only at /etc/infermesh/tls. */}}
+{{- define "infermesh.tlsVolume" -}}
+{{- if .Values.tls.secret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secret }}
+{{- end }}
+{{- end }}
+
+{{- define "infermesh.tlsMount" -}}
+{{- if .Values.tls.secret }}
+- name: tls
+  mountPath: /etc/infermesh/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Probes dial the service port, or with TLS on the plaintext port that serves health alone (the kubelet's
+gRPC probes speak no TLS). */}}
+{{- define "infermesh.probePort" -}}
+{{ ternary .Values.ports.health .Values.ports.grpc (not (empty .Values.tls.secret)) }}
 {{- end }}
 
 {{/* Volumes: /dev/shm in memory, and the model from its source. */}}
@@ -66,6 +102,7 @@ redis://{{ .Release.Name }}-redis:6379/0
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.shmSizeLimit }}
+{{- include "infermesh.tlsVolume" . }}
 {{- $source := .Values.model.source }}
 {{- if eq $source.type "pvc" }}
 - name: model
@@ -86,6 +123,7 @@ redis://{{ .Release.Name }}-redis:6379/0
 {{- define "infermesh.volumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
+{{- include "infermesh.tlsMount" . }}
 {{- if or (ne .Values.model.source.type "none") .Values.model.fetch.enabled }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
@@ -116,16 +154,16 @@ redis://{{ .Release.Name }}-redis:6379/0
 {{- define "infermesh.probes" -}}
 startupProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ include "infermesh.probePort" . }}
   periodSeconds: {{ .Values.probes.startup.periodSeconds }}
   failureThreshold: {{ .Values.probes.startup.failureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ include "infermesh.probePort" . }}
   periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
 livenessProbe:
   grpc:
-    port: {{ .Values.ports.grpc }}
+    port: {{ include "infermesh.probePort" . }}
     service: liveness
   periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
   failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
@@ -182,6 +220,9 @@ imagePullSecrets:
   ports:
     - {name: grpc, containerPort: {{ .root.Values.ports.grpc }}}
     - {name: metrics, containerPort: {{ .root.Values.metrics.port }}}
+    {{- if .root.Values.tls.secret }}
+    - {name: health, containerPort: {{ .root.Values.ports.health }}}
+    {{- end }}
     - {name: rendezvous, containerPort: {{ .root.Values.ports.rendezvous }}}
   resources:
     {{- toYaml .resources | nindent 4 }}
