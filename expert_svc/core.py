@@ -22,7 +22,12 @@ from engine.core import DTYPES_BY_NAME
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
-from engine.parallel.groups import IDLE, announcements, stateless_group  # IDLE: an attachment may sit idle for any time
+from engine.parallel.groups import (  # IDLE: an attachment may sit idle for any time
+    IDLE,
+    announcements,
+    hosted_store,
+    stateless_group,
+)
 from engine.parallel.launcher import plan_group, receive_plan
 from engine.weights import load_checkpoint
 
@@ -38,7 +43,7 @@ class AttachmentBook:
     """Rank 0: the rendezvous store and which instance holds which attachment."""
 
     def __init__(self, host: str) -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        self.store = hosted_store(host, 0, STORE_TIMEOUT)
         self.address = f"{host}:{self.store.port}"
         self.by_instance: dict[str, int] = {}
         self._lock = threading.Lock()

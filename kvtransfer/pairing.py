@@ -21,6 +21,7 @@ import torch.distributed as dist
 from engine.parallel.groups import (  # IDLE: the decode side waits for the next transfer
     IDLE,
     announcements,
+    hosted_store,
     stateless_group,
 )
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
@@ -38,7 +39,7 @@ class PairHost:
     """The decode instance's pairing store (rank 0), until `close()`."""
 
     def __init__(self, host: str) -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self.store = hosted_store(host, 0, TIMEOUT)
         self.address = f"{host}:{self.store.port}"
 
     def close(self) -> None:

@@ -1,14 +1,17 @@
 """Tokens on a real mesh (`infermesh up`, real processes): with an admin token set, `drain` and `scale`
 without it or with a wrong one are refused with UNAUTHENTICATED and change nothing, reading (`status`)
 stays open, the right token works; the token reaches the instances through their environment, never a
-command line or a log."""
+command line or a log. Every process of a mesh listens on the interface it was given, none on all."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
+import psutil
+
 from mesh.auth import ADMIN_TOKEN_ENV
-from tests.test_mesh_processes import cli, start_mesh, started, stop_mesh
+from tests.test_mesh_processes import cli, descendants, start_mesh, started, stop_mesh
 
 TOKEN = "s3cret-admin-token-42"
 
@@ -45,3 +48,34 @@ def test_admin_operations_need_the_admin_token(tiny_checkpoint, tmp_path):
         stop_mesh(proc, pids)
     logs = list(tmp_path.glob("*.log"))
     assert logs and not [log.name for log in logs if TOKEN in log.read_text(errors="replace")]
+
+
+def listening(pids: list[int]) -> set[str]:
+    """The addresses (ip:port) the processes `pids` accept TCP connections on (IPv4 in IPv6 as IPv4)."""
+    def ip(text: str) -> str:
+        address = ipaddress.ip_address(text)
+        return str(getattr(address, "ipv4_mapped", None) or address)
+
+    return {f"{ip(c.laddr.ip)}:{c.laddr.port}" for pid in pids for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_every_process_listens_on_the_configured_interface_alone(tiny_checkpoint):
+    """Every server of every process — gRPC, HTTP, metrics, rendezvous stores, gloo pairs of the CP and TP
+    groups, the torch_p2p pairing store and KV groups, the expert attachment's store and groups — listens
+    on `--host` (here 127.0.0.1), none on every interface."""
+    folder, _ = tiny_checkpoint("qwen3_moe")
+    proc, address = start_mesh(str(folder), "--experts", "1", "--expert-ep", "2", "--prefill-cp", "2",
+                               "--decode-tp", "2", "--kv-transport", "torch_p2p", "--local-prefill-max-tokens", "0",
+                               "--http-port", "0")
+    pids = [i["pid"] for i in started(address)]
+    try:
+        answer = cli("generate", "the quick brown fox jumps over the lazy dog", "--target", address,
+                     "--max-tokens", "4", "--ignore-eos")  # every group formed: CP, KV pairing, TP, experts
+        assert answer.returncode == 0, answer.stderr
+        every = [proc.pid, *descendants(proc.pid)]
+        addresses = listening(every)
+        assert len(every) >= 8 and addresses  # up, router, prefill and its rank, decode and its rank, experts
+        assert {a for a in addresses if not a.startswith("127.0.0.1:")} == set()
+    finally:
+        stop_mesh(proc, pids)

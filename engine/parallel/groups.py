@@ -8,6 +8,7 @@ pair or an expert attachment), and instances can come and go without touching
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from typing import Iterator
@@ -21,7 +22,22 @@ IDLE = datetime.timedelta(days=365)  # the operation timeout of a rank that wait
 def rendezvous(host: str, port: int, rank: int, world_size: int,
                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
     """Rank 0 hosts the store; the others connect to it."""
-    return dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        return hosted_store(host, port, timeout, world_size)
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+def hosted_store(host: str, port: int, timeout: datetime.timedelta,
+                 world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore served from here that listens on `host` alone (port 0: any free one, read `store.port`).
+    Given a host, torch's store still listens on every interface; so the socket is bound here and handed
+    over (`master_listen_fd`, the store then owns it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as listener:
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+        bound_port = listener.getsockname()[1]
+        return dist.TCPStore(host, bound_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listener.detach())
 
 
 def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *, backend: str = "gloo",

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
-from engine.parallel.groups import IDLE, stateless_group
+from engine.parallel.groups import IDLE, hosted_store, stateless_group
 from engine.parallel.lifetime import die_with_parent
 from engine.step_plan import StepPlan
 
@@ -109,8 +109,7 @@ class RankGroup:
         local = world if rendezvous.local_ranks is None else rendezvous.local_ranks
         if not 1 <= local <= world:
             raise ValueError(f"local_ranks must be in [1, world_size={world}], got {local}")
-        self.store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=True, timeout=timeout,
-                                   wait_for_workers=False)
+        self.store = hosted_store(rendezvous.host, rendezvous.port, timeout, world)
         self.address = f"{rendezvous.host}:{self.store.port}"
         self.store.set("follower", pickle.dumps((follower, follower_args, config, timeout)))
         threads = max(1, (os.cpu_count() or 1) // local)
