@@ -90,6 +90,7 @@ class Instance:
         admin = (internal_pb2_grpc.add_AdminServicer_to_server, AdminService(self), "infermesh.v1.Admin")
         self.server, port, self.health = rpc.start_server(s.bind_host or s.host, s.port, [*services, admin],
                                                           serving=False, max_request_bytes=self.max_request_bytes,
+                                                          max_concurrent_rpcs=s.max_concurrent_rpcs,
                                                           client_certs=self.client_certs)
         self.address = f"{s.host}:{port}"
         if s.health_port is not None:

@@ -24,6 +24,7 @@ from mesh.errors import StatusInterceptor
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_CONCURRENT_RPCS = 512  # a server's default; an instance's comes from its settings
 
 
 LIVENESS = "liveness"  # a health "service" that says whether the process should be restarted, not whether it serves
@@ -53,12 +54,15 @@ def _status(serving: bool) -> int:
 
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
-                 max_workers: int = 16, max_request_bytes: int = MAX_MESSAGE_BYTES,
+                 max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS, max_request_bytes: int = MAX_MESSAGE_BYTES,
                  client_certs: bool = True) -> tuple[grpc.Server, int, Health]:
     """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves).
+    Each RPC runs on a thread of its own (started when needed), a stream for its whole life: at most
+    `max_concurrent_rpcs` at once, the next is refused with RESOURCE_EXHAUSTED rather than queued.
     A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes).
     With TLS on (`mesh.tls`) the port speaks TLS and, with `client_certs`, takes only the mesh's certificates."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[StatusInterceptor()],
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs),
+                         interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
                          options=[("grpc.max_receive_message_length", max_request_bytes),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     names = []

@@ -29,6 +29,8 @@ class ServiceSettings:
     metrics_port: int | None = 0  # Prometheus text at http://HOST:PORT/metrics (0: any free port; None: off)
     # a plaintext port with grpc.health.v1 alone, for probes that cannot speak TLS (the kubelet's); None: off
     health_port: int | None = None
+    # RPCs its gRPC server runs at once, one thread each (a stream holds one for its life); more: RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int = 512
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a record not renewed for this long is gone
     drain_timeout_s: float = 60.0  # a drain stops the instance after this long even if work is left
@@ -39,6 +41,8 @@ class ServiceSettings:
         for name in ("port", "metrics_port", "health_port"):
             if not 0 <= (getattr(self, name) or 0) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < ttl_s ({self.ttl_s})")
         if self.drain_timeout_s < 0:
