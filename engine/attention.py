@@ -100,16 +100,14 @@ def paged_attention(
         outputs.append(od)  # [B, Hq, D]
     elif meta.num_decode:
         tables = meta.decode_block_tables
-        kd = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        kd = gather_blocks(k_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = gather_blocks(v_cache, tables).transpose(1, 2)
         kd, vd = for_query_heads(kd, kv_head_map), for_query_heads(vd, kv_head_map)
         qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
-        if q.device.type == "cpu" and q.dtype != torch.float32:
-            # On CPU, SDPA on reduced precision is ~4x slower than in float32 for one-token queries (measured:
-            # 2.7 vs 0.5 ms for 32 sequences of 128 tokens), so decode attention runs in float32 there.
-            qd, kd, vd = qd.float(), kd.float(), vd.float()
+        # In the cache's dtype: on CPU, up-casting the gathered context to float32 first (once faster) now costs
+        # 1.3-10x the attention itself (torch 2.13; bench/RESULTS.md, "decode attention in bfloat16").
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        outputs.append(od[:, :, 0, :].to(q.dtype))  # [B, Hq, D]
+        outputs.append(od[:, :, 0, :])  # [B, Hq, D]
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
@@ -118,12 +116,20 @@ def paged_attention(
             ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = k_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
-            vs = v_cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            ks = gather_blocks(k_cache, span.block_table)[: span.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            vs = gather_blocks(v_cache, span.block_table)[: span.context_len].transpose(0, 1)[None]
             ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The cache's rows for block ids `tables` [..., blocks], as [..., blocks * block_size, H, D] (one copy).
+    `index_select`: on CPU 2.5-4x faster than indexing with `cache[tables]` (bench/RESULTS.md)."""
+    _, block_size, heads, dim = cache.shape
+    rows = cache.index_select(0, tables.flatten())  # [prod(tables.shape), block_size, H, D]
+    return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, heads, dim)
 
 
 def for_query_heads(kv: torch.Tensor, kv_head_map: torch.Tensor | None) -> torch.Tensor:

@@ -49,3 +49,8 @@ def test_kvtransfer_bench_runs():
 def test_experts_bench_runs():
     proc = run_quick("experts.py", timeout=300)
     assert "| 1 |" in proc.stdout and "| 16 |" in proc.stdout
+
+
+def test_decode_bench_runs():
+    proc = run_quick("decode.py", timeout=300)
+    assert "| 2 | 64 |" in proc.stdout and "| 1 | 300 |" in proc.stdout

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import gather_blocks
 from engine.parallel.cp_choice import CPChoice, CPMethod
 from engine.parallel.cp_merge import attention_with_lse, merge_partials
 from engine.parallel.cp_shard import Segment, Visibility, sees
@@ -74,8 +75,8 @@ def context_parallel_attention(q, k, v, k_cache, v_cache, meta: CPAttentionMetad
     outputs = []
     if meta.num_decode:
         tables = meta.decode_block_tables
-        kd = heads(k_cache[tables].flatten(1, 2)).transpose(1, 2)  # [B, Hq, L, D]
-        vd = heads(v_cache[tables].flatten(1, 2)).transpose(1, 2)
+        kd = heads(gather_blocks(k_cache, tables)).transpose(1, 2)  # [B, Hq, L, D]
+        vd = heads(gather_blocks(v_cache, tables)).transpose(1, 2)
         qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
         o, lse = attention_with_lse(qd, kd, vd, meta.decode_mask, scale)  # [B, Hq, 1, D], [B, Hq, 1]
         outputs.append(_merge_over_ranks(meta.group, o[:, :, 0], lse[:, :, 0]).to(q.dtype))  # [B, Hq, D]
