@@ -3,8 +3,9 @@ from a prefill cache (block 16) into reserved decode blocks (block 16), over eac
 
     python bench/kvtransfer.py [--tokens 2048] [--quick]
 
-Rows: gRPC stream (loopback, in one process: server threads + sender), torch.distributed p2p over a
-gloo pair group (two processes), and the floor of the same bytes: one gloo send of a single tensor.
+Rows: gRPC stream and shared memory (loopback, in one process: server threads + sender), torch.distributed
+p2p over a gloo pair group (two processes), and two floors of the same bytes: one gloo send of a single
+tensor (for the network transports) and one single-threaded memcpy (for shared memory).
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
-from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService  # noqa: E402
+from kvtransfer import grpc_stream, shared_memory  # noqa: E402
 from kvtransfer.plan import DecodeLayout, PrefillLayout, plan  # noqa: E402
+from kvtransfer.sink import by_destination  # noqa: E402
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender  # noqa: E402
 from kvtransfer.transport import KVReceiver  # noqa: E402
 from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
@@ -47,21 +50,22 @@ def cache(blocks: int):
 
 
 def push(sender, kv, pieces) -> None:
+    """What `PlanSink` does for one destination rank: one gather of its rows per layer, then send."""
+    ((rows, heads, runs),) = by_destination(pieces).values()
     for layer, (k, v) in enumerate(kv):
         flat_k, flat_v = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
-        for p in pieces:
-            rows = slice(p.src_slot, p.src_slot + p.num_tokens)
-            sender.send(layer, p, flat_k[rows].clone(), flat_v[rows].clone())
+        sender.send_runs(layer, runs, flat_k.index_select(0, rows)[:, heads], flat_v.index_select(0, rows)[:, heads])
         sender.flush()
     sender.finish()
 
 
-def bench_grpc(tokens: int, repeats: int) -> float:
+def bench_stream(transport, tokens: int, repeats: int) -> float:
+    """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): its sender and server."""
     src, dst, pieces = layouts(tokens)
     blocks = 2 * len(src.block_table)
     receiver = KVReceiver(cache(blocks), lambda rid: dst.block_table)
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver), server)
+    internal_pb2_grpc.add_KVTransferServicer_to_server(transport.Endpoint.service(receiver), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     kv = cache(blocks)
@@ -69,9 +73,22 @@ def bench_grpc(tokens: int, repeats: int) -> float:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         for i in range(repeats):
             start = time.perf_counter()
-            push(GrpcStreamSender(ch, f"r{i}", 0), kv, pieces)
+            push(transport.Dialer.sender(ch, f"r{i}", 0), kv, pieces)
             times.append(time.perf_counter() - start)
     server.stop(None)
+    return statistics.median(times)
+
+
+def memcpy_seconds(total: int, repeats: int) -> float:
+    """One thread copying `total` bytes (numpy's copy: single-threaded), pages touched beforehand."""
+    src, dst = np.random.bytes(total), np.empty(total, dtype=np.uint8)
+    src = np.frombuffer(src, dtype=np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -109,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     tokens, repeats = (64, 2) if args.quick else (args.tokens, 5)
     total = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 2
-    grpc_s = bench_grpc(tokens, repeats)
+    grpc_s, shm_s = bench_stream(grpc_stream, tokens, repeats), bench_stream(shared_memory, tokens, repeats)
+    memcpy_s = memcpy_seconds(total, repeats)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,7 +138,8 @@ def main() -> None:
           f"= {total / 1e6:.1f} MB, median of {repeats}\n")
     print("| transport | seconds | GB/s |\n|---|---|---|")
     for name, seconds in (("gRPC stream (loopback)", grpc_s), ("torch p2p (gloo pair group)", p2p_s),
-                          ("floor: one gloo send of the same bytes", floor_s)):
+                          ("floor: one gloo send of the same bytes", floor_s), ("shared memory (one host)", shm_s),
+                          ("floor: one-thread memcpy of the same bytes", memcpy_s)):
         print(f"| {name} | {seconds:.3f} | {total / seconds / 1e9:.2f} |")
 
 

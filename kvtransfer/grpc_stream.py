@@ -8,6 +8,7 @@ server of its own; a prefill rank opens one stream per decode rank over its serv
 
 from __future__ import annotations
 
+import contextlib
 import queue
 
 import grpc
@@ -52,10 +53,14 @@ class GrpcStreamSender(KVSender):
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._call is None:
             self._call = self._stub.Push.future(self._requests(), timeout=self.timeout_s)
-        self._put(internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
-                                       dst_slots=[slot for slot, _ in runs], run_tokens=[n for _, n in runs],
-                                       dtype=WIRE_DTYPES[keys.dtype], keys=tensor_bytes(keys),
-                                       values=tensor_bytes(values)))
+        self._put(self._piece(internal_pb2.KVPiece(
+            request_id=self.request_id, layer=layer, dst_rank=self.dst_rank, dst_slots=[slot for slot, _ in runs],
+            run_tokens=[n for _, n in runs], dtype=WIRE_DTYPES[keys.dtype]), keys, values))
+
+    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> internal_pb2.KVPiece:
+        """The layer's message with its keys and values in it."""
+        piece.keys, piece.values = tensor_bytes(keys), tensor_bytes(values)
+        return piece
 
     def _finish(self, timeout_s: float) -> None:
         if self._call is None:
@@ -78,6 +83,8 @@ class GrpcStreamSender(KVSender):
 class Dialer:
     """A prefill rank's streams to decode ranks, over the service's pooled channels."""
 
+    sender = GrpcStreamSender
+
     def __init__(self, rank: int, ranks: int, links) -> None:
         self.links = links
 
@@ -85,7 +92,7 @@ class Dialer:
         return 0  # nothing to set up ahead of a push
 
     def senders(self, addresses: tuple[str, ...], link: int, request_id: str, timeout_s: float) -> list[KVSender]:
-        return [GrpcStreamSender(self.links.channel(a), request_id, r, timeout_s=timeout_s)
+        return [self.sender(self.links.channel(a), request_id, r, timeout_s=timeout_s)
                 for r, a in enumerate(addresses)]
 
     def close(self) -> None:
@@ -94,17 +101,6 @@ class Dialer:
 
 def shared(host: str) -> None:
     return None  # every decode rank serves on its own
-
-
-class Endpoint:
-    """A decode rank's `KVTransfer` server (on the service's host, any free port)."""
-
-    def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str | None) -> None:
-        self.address = links.serve([(internal_pb2_grpc.add_KVTransferServicer_to_server,
-                                     KVTransferService(receiver, rank), "infermesh.v1.KVTransfer")])
-
-    def stop(self) -> None:
-        pass  # the server is the service's: it stops with it
 
 
 class KVTransferService(internal_pb2_grpc.KVTransferServicer):
@@ -116,25 +112,48 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
 
     def Push(self, request_iterator, context):
         total = pieces = 0
-        for msg in request_iterator:
-            if msg.dst_rank != self.rank:
-                raise PieceRejected(f"piece for rank {msg.dst_rank} sent to rank {self.rank}")
-            if len(msg.dst_slots) != len(msg.run_tokens):
-                raise PieceRejected(f"{len(msg.dst_slots)} dst_slots for {len(msg.run_tokens)} run_tokens")
-            keys, values = (self._tensor(data, msg) for data in (msg.keys, msg.values))
-            row = 0
-            for slot, n in zip(msg.dst_slots, msg.run_tokens):
-                total += self.receiver.write(msg.request_id, msg.layer, slot, keys[row:row + n], values[row:row + n])
-                row += n
-            pieces += 1
+        with self.reader() as tensors:
+            for msg in request_iterator:
+                if msg.dst_rank != self.rank:
+                    raise PieceRejected(f"piece for rank {msg.dst_rank} sent to rank {self.rank}")
+                if len(msg.dst_slots) != len(msg.run_tokens):
+                    raise PieceRejected(f"{len(msg.dst_slots)} dst_slots for {len(msg.run_tokens)} run_tokens")
+                keys, values = tensors(msg, *self._layout(msg))
+                total += self.receiver.write_runs(msg.request_id, msg.layer, list(zip(msg.dst_slots, msg.run_tokens)),
+                                                  keys, values)
+                pieces += 1
         return internal_pb2.PushResponse(bytes=total, pieces=pieces)
 
-    def _tensor(self, data: bytes, msg) -> torch.Tensor:
+    def _layout(self, msg) -> tuple[torch.dtype, tuple[int, int, int], int]:
+        """dtype, shape and bytes of each of the message's two tensors."""
         dtype = DTYPES_BY_WIRE.get(msg.dtype)
         if dtype is None:
             raise PieceRejected(f"dtype {msg.dtype} is not one of float32, bfloat16, float16")
         shape = (sum(msg.run_tokens), self.receiver.num_heads, self.receiver.head_dim)
-        expected = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
-        if len(data) != expected:
-            raise PieceRejected(f"pieces of {shape[0]} tokens must carry {expected} bytes per tensor, got {len(data)}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+        return dtype, shape, shape[0] * shape[1] * shape[2] * dtype.itemsize
+
+    @contextlib.contextmanager
+    def reader(self):
+        """For one stream: `tensors(msg, dtype, shape, size)` -> the message's keys and values."""
+        def tensors(msg, dtype, shape, size):
+            for data in (msg.keys, msg.values):
+                if len(data) != size:
+                    raise PieceRejected(f"pieces of {shape[0]} tokens must carry {size} bytes per tensor, "
+                                        f"got {len(data)}")
+            return [torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+                    for data in (msg.keys, msg.values)]
+
+        yield tensors
+
+
+class Endpoint:
+    """A decode rank's `KVTransfer` server (on the service's host, any free port)."""
+
+    service = KVTransferService
+
+    def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str | None) -> None:
+        self.address = links.serve([(internal_pb2_grpc.add_KVTransferServicer_to_server,
+                                     self.service(receiver, rank), "infermesh.v1.KVTransfer")])
+
+    def stop(self) -> None:
+        pass  # the server is the service's: it stops with it

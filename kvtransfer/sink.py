@@ -6,8 +6,8 @@ hand the pieces to senders (one per decode rank).
 the first layer it learns the prompt's blocks and which of its tokens this rank
 stores, and plans this rank's pieces to the decode layout: the ranks' stored
 tokens partition the prompt, so their plans together cover it exactly once.
-Every layer it copies its pieces out of the cache (the head range of each
-destination rank) and sends them; `finish` waits for every destination's
+Every layer it copies each destination rank's pieces out of the cache at once
+(one gather of their rows and the rank's head range) and sends them; `finish` waits for every destination's
 acknowledgement. It never raises into the engine step: a destination that fails
 is skipped from then on and `finish` raises its TransferError.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.plan import DecodeLayout, Piece, PrefillLayout, plan
-from kvtransfer.transport import KVSender, TransferError, TransferStats
+from kvtransfer.transport import KVSender, TransferError, TransferStats, run_rows
 
 
 class PlanSink:
@@ -26,6 +26,7 @@ class PlanSink:
         self.num_tokens, self.num_kv_heads, self.block_size = num_tokens, num_kv_heads, block_size
         self.target, self.senders = target, senders
         self.pieces: tuple[Piece, ...] | None = None
+        self.by_rank: dict[int, tuple[torch.Tensor, slice, list[tuple[int, int]]]] = {}
         self.error: TransferError | None = None  # the plan could not be made: nothing is sent
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
@@ -40,12 +41,13 @@ class PlanSink:
                 self.pieces = plan(source, self.target)
             except ValueError as e:
                 self.pieces, self.error = (), TransferError(f"no transfer plan: {e}")
+            self.by_rank = by_destination(self.pieces)
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
-        for piece in self.pieces:
-            rows, heads = slice(piece.src_slot, piece.src_slot + piece.num_tokens), slice(*piece.heads)
-            keys, values = keys_all[rows, heads].clone(), values_all[rows, heads].clone()
-            self.senders[piece.dst_rank].send(layer, piece, keys, values)
+        for dst_rank, (source_rows, heads, runs) in self.by_rank.items():  # one gather per destination rank
+            keys = keys_all.index_select(0, source_rows)[:, heads]  # [sum(tokens), the rank's heads, D]
+            values = values_all.index_select(0, source_rows)[:, heads]
+            self.senders[dst_rank].send_runs(layer, runs, keys, values)
         for sender in self.senders:
             try:
                 sender.flush()
@@ -80,3 +82,17 @@ class PlanSink:
             raise error
         return TransferStats(sum(r.bytes for r in results), sum(r.pieces for r in results),
                              max((r.seconds for r in results), default=0.0))
+
+
+def by_destination(pieces: tuple[Piece, ...]) -> dict[int, tuple[torch.Tensor, slice, list[tuple[int, int]]]]:
+    """Per destination rank, what each layer sends it: (source rows [sum(tokens)], its heads, destination
+    runs), in the order of the plan."""
+    grouped: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        grouped.setdefault(piece.dst_rank, []).append(piece)
+    by_rank = {}
+    for dst_rank, mine in grouped.items():
+        (heads,) = {p.heads for p in mine}  # a destination rank stores one head range
+        by_rank[dst_rank] = (run_rows([(p.src_slot, p.num_tokens) for p in mine]), slice(*heads),
+                             [(p.dst_slot, p.num_tokens) for p in mine])
+    return by_rank

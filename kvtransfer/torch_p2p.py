@@ -157,15 +157,12 @@ class TorchP2PReceiver:
             key = (source, request_id)
             payload = torch.zeros((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
             self.group.recv([payload], source, TAG_PAYLOAD).wait()
-            row = 0
-            for slot, n in slots:
-                if key not in self._refused:
-                    try:
-                        self._written[key] = self._written.get(key, 0) + self.receiver.write(
-                            request_id, layer, slot, payload[0, row:row + n], payload[1, row:row + n])
-                    except (PieceRejected, NoReservation) as e:
-                        self._refused[key] = str(e)
-                row += n
+            if key not in self._refused:
+                try:
+                    self._written[key] = self._written.get(key, 0) + self.receiver.write_runs(
+                        request_id, layer, slots, payload[0], payload[1])
+                except (PieceRejected, NoReservation) as e:
+                    self._refused[key] = str(e)
             return
         key = (source, bytes(header.tolist()[1:]).decode())
         reason = self._refused.pop(key, "").encode()

@@ -68,25 +68,42 @@ class KVReceiver:
 
     def write(self, request_id: str, layer: int, dst_slot: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store `keys`/`values` [n, heads, head_dim] at slots dst_slot.. of `layer`; returns the bytes written."""
+        return self.write_runs(request_id, layer, [(dst_slot, keys.shape[0])], keys, values)
+
+    def write_runs(self, request_id: str, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor,
+                   values: torch.Tensor) -> int:
+        """Store a layer's pieces at once: `runs` of (first slot, tokens), `keys`/`values` [sum(tokens), heads,
+        head_dim] in run order; all of them or, when one is refused, none. Returns the bytes written."""
         if not 0 <= layer < len(self.kv_cache):
             raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
-        n = keys.shape[0]
-        expected = (n, self.num_heads, self.head_dim)
+        expected = (sum(n for _, n in runs), self.num_heads, self.head_dim)
         if keys.shape != expected or values.shape != expected or keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise PieceRejected(f"piece must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
+            raise PieceRejected(f"pieces must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
                                 f"{keys.dtype} and values {list(values.shape)} {values.dtype}")
-        block, offset = divmod(dst_slot, self.block_size)
+        slots = run_rows(runs)  # [sum(tokens)]: the destination slot of each row
         k_cache, v_cache = self.kv_cache[layer]
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
             table = self.reserved(request_id)
             if table is None:
                 raise NoReservation(f"request {request_id!r} has no KV reservation here")
-            if n < 1 or block not in table or offset + n > self.block_size:
-                raise PieceRejected(f"slots [{dst_slot}, {dst_slot + n}) are not inside one block reserved for "
-                                    f"{request_id!r}")
-            k_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = keys
-            v_cache.view(-1, self.num_heads, self.head_dim)[dst_slot:dst_slot + n] = values
+            blocks = set(table)
+            for slot, n in runs:
+                block, offset = divmod(slot, self.block_size)
+                if n < 1 or block not in blocks or offset + n > self.block_size:
+                    raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside one block reserved for "
+                                        f"{request_id!r}")
+            k_cache.view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, keys.to(k_cache.device))
+            v_cache.view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, values.to(v_cache.device))
         return 2 * keys.numel() * keys.element_size()
+
+
+def run_rows(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """[sum(tokens)] int64: first_slot, first_slot + 1, ... of each run, in order."""
+    starts = torch.tensor([slot for slot, _ in runs], dtype=torch.long)
+    counts = torch.tensor([n for _, n in runs], dtype=torch.long)
+    run_offsets = torch.cumsum(counts, 0) - counts  # row where each run begins
+    return torch.repeat_interleave(starts - run_offsets, counts, output_size=int(counts.sum())) + \
+        torch.arange(int(counts.sum()))
 
 
 class KVSender(abc.ABC):
@@ -99,7 +116,7 @@ class KVSender(abc.ABC):
         self._started = 0.0
         self._error: TransferError | None = None
         self._layer: int | None = None
-        self._pending: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]] = []  # (runs, keys, values)
 
     def open(self) -> None:
         """Called by the sink on every source rank before its first layer, whether the rank has pieces or not
@@ -118,6 +135,10 @@ class KVSender(abc.ABC):
         return self._error
 
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.send_runs(layer, [(piece.dst_slot, piece.num_tokens)], keys, values)
+
+    def send_runs(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Pieces of `layer` at once: `runs` of (first destination slot, tokens), keys/values [sum(tokens), H, D]."""
         if self.state is TransferState.FAILED:
             return  # already failed: finish() reports it
         if self.state is TransferState.PENDING:
@@ -125,18 +146,18 @@ class KVSender(abc.ABC):
         if self._layer is not None and layer != self._layer:
             self.flush()
         self._layer = layer
-        self._pending.append((piece, keys, values))
+        self._pending.append((runs, keys, values))
         self._bytes += 2 * keys.numel() * keys.element_size()
-        self._pieces += 1
+        self._pieces += len(runs)
 
     def flush(self) -> None:
         """Send the pieces collected for the current layer; raises TransferError (and stays FAILED) on failure."""
         if not self._pending or self.state is TransferState.FAILED:
             return
-        pieces, self._pending = self._pending, []
-        runs = [(p.dst_slot, p.num_tokens) for p, _, _ in pieces]
-        keys = torch.cat([k for _, k, _ in pieces])  # [N, H, D]
-        values = torch.cat([v for _, _, v in pieces])
+        chunks, self._pending = self._pending, []
+        runs = [run for chunk_runs, _, _ in chunks for run in chunk_runs]
+        keys = chunks[0][1] if len(chunks) == 1 else torch.cat([k for _, k, _ in chunks])  # [N, H, D]
+        values = chunks[0][2] if len(chunks) == 1 else torch.cat([v for _, _, v in chunks])
         try:
             self._send_layer(self._layer, runs, keys, values)
         except Exception as e:
@@ -169,10 +190,7 @@ class LoopbackSender(KVSender):
         self.receiver, self.request_id = receiver, request_id
 
     def _send_layer(self, layer, runs, keys, values) -> None:
-        row = 0
-        for slot, n in runs:
-            self.receiver.write(self.request_id, layer, slot, keys[row:row + n], values[row:row + n])
-            row += n
+        self.receiver.write_runs(self.request_id, layer, runs, keys, values)
 
     def _finish(self, timeout_s: float) -> None:
         pass

@@ -45,6 +45,7 @@ class Transport:
 TRANSPORTS = (
     Transport("grpc_stream", internal_pb2.KV_TRANSPORT_GRPC_STREAM, "kvtransfer.grpc_stream"),
     Transport("torch_p2p", internal_pb2.KV_TRANSPORT_TORCH_P2P, "kvtransfer.pairing", cpu_only=True),
+    Transport("shared_memory", internal_pb2.KV_TRANSPORT_SHARED_MEMORY, "kvtransfer.shared_memory"),  # one host
 )
 NAMES = tuple(t.name for t in TRANSPORTS)
 

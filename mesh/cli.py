@@ -177,7 +177,8 @@ def up(
     decode_tp: int = typer.Option(1, help="Tensor-parallel ranks per decode instance."),
     local_prefill_max_tokens: int = typer.Option(
         64, help="Prompts whose uncached part is at most this many tokens are prefilled on decode."),
-    kv_transport: str = typer.Option("grpc_stream", help="grpc_stream | torch_p2p: how prefill pushes KV to decode."),
+    kv_transport: str = typer.Option(
+        "grpc_stream", help="grpc_stream | torch_p2p | shared_memory (one host): how prefill pushes KV to decode."),
     experts: int = typer.Option(0, help="Expert instances hosting an MoE model's experts (0: inside each instance)."),
     expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),

@@ -1,8 +1,10 @@
-"""KV transports move the KV bit-exactly into reserved blocks, and fail clearly: gRPC stream over loopback
-(bit for bit between block sizes; refused, unreachable and timed out — then recomputed on decode)."""
+"""KV transports move the KV bit-exactly into reserved blocks, and fail clearly: gRPC stream and shared
+memory over loopback (bit for bit between block sizes; refused, unreachable and timed out — then
+recomputed on decode; shared memory refuses files that are not its own and leaves none behind)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import grpc
@@ -12,7 +14,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core import EngineConfig, EngineCore
 from engine.weights import load_checkpoint
-from kvtransfer.grpc_stream import GrpcStreamSender, KVTransferService
+from kvtransfer import grpc_stream, shared_memory
+from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
 from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState
@@ -32,30 +35,32 @@ def reservations(engine: EngineCore):
 
 
 @pytest.fixture
-def pair(tiny_checkpoint):
-    """A prefill engine (block size 8) and a decode engine (block size 16) behind a real gRPC server."""
+def pair(tiny_checkpoint, request):
+    """A prefill engine (block size 8) and a decode engine (block size 16) behind a real gRPC server of the
+    transport module `request.param` (default grpc_stream), and that module's sender class."""
+    transport = getattr(request, "param", grpc_stream)
     folder, _ = tiny_checkpoint("qwen3")
     checkpoint = load_checkpoint(str(folder))
     prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
     decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
-    service = KVTransferService(KVReceiver(decode.kv_cache, reservations(decode)))
+    service = transport.Endpoint.service(KVReceiver(decode.kv_cache, reservations(decode)))
     server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
                                                      "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield prefill, decode, channel, LLM(str(folder), dtype="float32")
+    yield prefill, decode, channel, LLM(str(folder), dtype="float32"), transport.Dialer.sender
     channel.close()
     server.stop(None)
 
 
 def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, prompt: list[int],
-             timeout_s: float = 60.0):
+             timeout_s: float = 60.0, sender=GrpcStreamSender):
     """Prefill `prompt` and push its KV into a reservation on decode: (the sink, the first token, the prefill
     side's block table: its blocks keep the KV until another prompt takes them)."""
     seq = decode.reserve(request_id, prompt, GREEDY)
     target = DecodeLayout(head_ranges=((0, decode.model_config.num_kv_heads),), block_size=16,
                           block_table=tuple(seq.block_table), first_token=seq.num_cached_prompt_tokens)
     sink = PlanSink(num_tokens=len(prompt), num_kv_heads=prefill.model_config.num_kv_heads, block_size=8, target=target,
-                    senders=[GrpcStreamSender(channel, request_id, 0, timeout_s=timeout_s)])
+                    senders=[sender(channel, request_id, 0, timeout_s=timeout_s)])
     prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_sink=sink)
     freed, free = [], prefill.blocks.free  # the request's table, as it is freed (and emptied) when it finishes
     prefill.blocks.free = lambda table: freed.append(list(table)) or free(table)
@@ -70,14 +75,15 @@ def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, 
     return sink, first, source_table
 
 
-def test_grpc_stream_moves_kv_between_block_sizes_and_decode_continues_exactly(pair):
-    prefill, decode, channel, reference = pair
+@pytest.mark.parametrize("pair", [grpc_stream, shared_memory], indirect=True, ids=["grpc_stream", "shared_memory"])
+def test_kv_moves_between_block_sizes_and_decode_continues_exactly(pair):
+    prefill, decode, channel, reference, sender = pair
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (9, 37)]
     expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
     outs = {}
     for i, prompt in enumerate(prompts):
-        sink, first, source_table = transfer(prefill, decode, channel, f"r{i}", prompt)
+        sink, first, source_table = transfer(prefill, decode, channel, f"r{i}", prompt, sender=sender)
         stats = sink.finish()
         assert all(s.state is TransferState.DONE for s in sink.senders)
         layers, heads, head_dim = 2, decode.model_config.num_kv_heads, decode.model_config.head_dim
@@ -95,7 +101,7 @@ def test_grpc_stream_moves_kv_between_block_sizes_and_decode_continues_exactly(p
 
 
 def test_pieces_for_a_request_without_reservation_fail_the_transfer_with_not_found(pair):
-    _, _, channel, _ = pair
+    _, _, channel, _, _ = pair
     sender = GrpcStreamSender(channel, "ghost", 0)
     sender.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
     with pytest.raises(TransferError, match="NOT_FOUND: request 'ghost' has no KV reservation here"):
@@ -103,11 +109,12 @@ def test_pieces_for_a_request_without_reservation_fail_the_transfer_with_not_fou
     assert sender.state is TransferState.FAILED
 
 
+@pytest.mark.parametrize("pair", [grpc_stream, shared_memory], indirect=True, ids=["grpc_stream", "shared_memory"])
 def test_a_piece_outside_the_reserved_blocks_is_refused(pair):
-    _, decode, channel, _ = pair
+    _, decode, channel, _, sender_class = pair
     decode.reserve("r", [5] * 10, GREEDY)
     outside = max(decode._sequences["r"].block_table) + 1
-    sender = GrpcStreamSender(channel, "r", 0)
+    sender = sender_class(channel, "r", 0)
     sender.send(0, Piece(0, 0, (0, 2), (0, 2), 0, outside * 16), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
     with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside one block reserved"):
         sender.finish(timeout_s=10)
@@ -125,7 +132,7 @@ class HungKVTransfer(internal_pb2_grpc.KVTransferServicer):
 
 
 def test_a_transfer_that_times_out_is_recomputed_on_decode(pair):
-    prefill, decode, _, reference = pair
+    prefill, decode, _, reference, _ = pair
     hung = HungKVTransfer()
     server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, hung,
                                                      "infermesh.v1.KVTransfer")])
@@ -155,6 +162,44 @@ def test_an_unreachable_decode_fails_the_transfer_within_the_timeout():
             sender.send(0, Piece(0, 0, (0, 1), (0, 1), 0, 0), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
         sender.finish(timeout_s=5)
     assert sender.state is TransferState.FAILED
+
+
+def shm_files() -> set[str]:
+    return {name for name in os.listdir(shared_memory.SHM_DIR) if name.startswith(shared_memory.PREFIX)}
+
+
+@pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
+def test_shared_memory_refuses_a_file_that_is_not_its_own(pair, tmp_path):
+    _, decode, channel, _, _ = pair
+    decode.reserve("r", [5] * 10, GREEDY)
+    slot = decode._sequences["r"].block_table[0] * 16
+    outside = tmp_path / f"{shared_memory.PREFIX}x"
+    outside.write_bytes(b"\0" * 4096)
+    for path in ("/etc/passwd", f"{shared_memory.SHM_DIR}/../etc/passwd", str(outside), ""):
+        piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
+                                     dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path)
+        with pytest.raises(grpc.RpcError) as refused:
+            internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"shm_path must be a file {shared_memory.SHM_DIR}/{shared_memory.PREFIX}*" in refused.value.details()
+    assert outside.exists()  # neither read nor unlinked
+
+
+@pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
+def test_shared_memory_leaves_no_file_behind_whether_a_push_succeeds_or_fails(pair):
+    prefill, decode, channel, _, sender_class = pair
+    before = shm_files()
+    sink, _, _ = transfer(prefill, decode, channel, "ok", [5 + i for i in range(37)], sender=sender_class)
+    sink.finish()
+    refused = sender_class(channel, "ghost", 0)  # no reservation: decode ends the stream at the first piece
+    refused.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+    with pytest.raises(TransferError, match="NOT_FOUND"):
+        refused.finish(timeout_s=10)
+    unreachable = sender_class(grpc.insecure_channel("127.0.0.1:1"), "r", 0, timeout_s=2)
+    with pytest.raises(TransferError):
+        unreachable.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+        unreachable.finish(timeout_s=5)
+    assert refused.path and unreachable.path and shm_files() == before
 
 
 def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):

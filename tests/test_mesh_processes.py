@@ -77,10 +77,10 @@ def started(address: str) -> list[dict]:
     return [i for i in found if i["role"] != "supervisor"]
 
 
-@pytest.mark.parametrize("registry", ["memory", "redis"])
-def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, tiny_checkpoint, request, tmp_path):
+@pytest.mark.parametrize("registry,transport", [("memory", "grpc_stream"), ("redis", "torch_p2p"),
+                                                ("memory", "shared_memory")])
+def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tiny_checkpoint, request, tmp_path):
     folder, _ = tiny_checkpoint("llama")
-    transport = "torch_p2p" if registry == "redis" else "grpc_stream"
     spans_file = tmp_path / "spans.jsonl"
     args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
     args += ["--prefill-cp", "2", "--decode-tp", "2",  # the heterogeneous layout: CP prefill pushes to TP decode

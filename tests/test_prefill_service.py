@@ -47,7 +47,8 @@ def disaggregated(prefill, decode, request_id: str, prompt: list[int], params: S
     return done, tokens, final
 
 
-@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P])
+@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P,
+                                       internal_pb2.KV_TRANSPORT_SHARED_MEMORY])
 def test_three_calls_give_exactly_the_single_engine_tokens(instances, transport):
     prefill, decode, reference = instances
     g = torch.Generator().manual_seed(21)
@@ -74,10 +75,10 @@ def test_a_transfer_that_cannot_reach_decode_falls_back_to_recompute(instances):
 
 def test_bad_prefill_requests_are_refused_with_the_reason(instances):
     prefill, _, _ = instances
-    target = internal_pb2.KVTarget(transport=internal_pb2.KV_TRANSPORT_SHARED_MEMORY)
+    target = internal_pb2.KVTarget(transport=99)  # a transport no entry implements
     with pytest.raises(grpc.RpcError) as e:
         prefill.Prefill(internal_pb2.PrefillRequest(request_id="x", prompt_token_ids=[5], target=target), timeout=30)
-    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "KV_TRANSPORT_SHARED_MEMORY" in e.value.details()
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "got 99" in e.value.details()
     target = internal_pb2.KVTarget(transport=internal_pb2.KV_TRANSPORT_GRPC_STREAM, addresses=["a"], block_size=16,
                                    block_table=[0], head_ranges=[internal_pb2.HeadRange(start=0, end=2)])
     with pytest.raises(grpc.RpcError) as e:
