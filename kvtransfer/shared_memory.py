@@ -5,7 +5,9 @@ A sender writes the layers of its push, one after the other, into a file of its 
 copy, no serialisation); each `KVPiece` names the file and the offset. The decode rank opens the file at
 the first piece and unlinks it at once, so the memory goes back when both ends close it, whatever
 happens to either afterwards; it reads each layer from there into a buffer and writes it through the
-same checks as every transport (`KVReceiver`). A path that is not one of ours in /dev/shm is refused,
+same checks as every transport (`KVReceiver`). A file's name carries its sender's pid: a prefill rank
+killed before decode opened its file leaves it behind, and the next sender on the host removes it
+(`sweep`). A path that is not one of ours in /dev/shm is refused,
 and a decode rank on another host cannot open the file: the push fails and decode recomputes the
 prompt, so pick this transport for prefill and decode instances that share a host.
 
@@ -36,7 +38,7 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
 
     def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> internal_pb2.KVPiece:
         if self._file is None:
-            fd, self.path = tempfile.mkstemp(prefix=PREFIX, dir=SHM_DIR)
+            fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM_DIR)
             self._file = os.fdopen(fd, "wb", buffering=0)
         piece.shm_path, piece.shm_offset = self.path, self._file.tell()
         for tensor in (keys, values):
@@ -88,8 +90,34 @@ def _open_once(path: str) -> int:
     return fd
 
 
+def sweep() -> list[str]:
+    """Remove the files of senders that are gone (killed before decode opened their file); what was removed."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(PREFIX).split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Dialer(grpc_stream.Dialer):
     sender = SharedMemorySender
+
+    def __init__(self, rank: int, ranks: int, links) -> None:
+        super().__init__(rank, ranks, links)
+        sweep()
 
 
 class Endpoint(grpc_stream.Endpoint):

@@ -5,6 +5,8 @@ recomputed on decode; shared memory refuses files that are not its own and leave
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -200,6 +202,23 @@ def test_shared_memory_leaves_no_file_behind_whether_a_push_succeeds_or_fails(pa
         unreachable.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
         unreachable.finish(timeout_s=5)
     assert refused.path and unreachable.path and shm_files() == before
+
+
+def test_files_of_killed_senders_are_swept_and_live_ones_kept():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a prefill rank SIGKILLed after writing its file, before decode opened it
+    dead = os.path.join(shared_memory.SHM_DIR, f"{shared_memory.PREFIX}{gone.pid}-abc")
+    live = os.path.join(shared_memory.SHM_DIR, f"{shared_memory.PREFIX}{os.getpid()}-abc")
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(b"kv")
+    try:
+        shared_memory.Dialer(0, 1, links=None)  # a sender starting on this host sweeps
+        assert not os.path.exists(dead) and os.path.exists(live)
+    finally:
+        for path in (dead, live):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
