@@ -1,14 +1,16 @@
 """The mesh against the engine it serves: decode tokens/s to N concurrent greedy streams, in-process
 (`LLM.generate` of N prompts) and through `infermesh up --prefill 0` (client -> router -> decode over
-gRPC), one after the other on this machine; and a matmul timed on the main thread and on another one
-(the reason a service drives its engine from its main thread).
+gRPC), one after the other on this machine; what the router adds to the time to first token (the same
+one-token request to the router and straight to decode's Decode, alternately); and a matmul timed on
+the main thread and on another one (the reason a service drives its engine from its main thread).
 
-    python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16]
+    python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16] [--ttft-samples 100]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a packa
 
 from engine import LLM, SamplingParams  # noqa: E402
 from mesh import rpc  # noqa: E402
-from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc  # noqa: E402,E501
 
 PROMPT = "Tell me a long story about a dragon and a knight."
 
@@ -60,7 +62,39 @@ def in_process(streams: list[int], tokens: int, dtype: str) -> dict[int, float]:
     return rates
 
 
-def through_the_mesh(streams: list[int], tokens: int, dtype: str) -> dict[int, float]:
+def first_token_ms(responses) -> float:
+    start = time.perf_counter()
+    next(iter(responses))
+    elapsed = (time.perf_counter() - start) * 1e3
+    for _ in responses:  # the rest of the (one-token) stream
+        pass
+    return elapsed
+
+
+def router_ttft(address: str, samples: int) -> dict[str, list[float]]:
+    """TTFT (ms) of one greedy token for the same prompt ids through the router (as token ids, as text) and
+    straight to the decode instance, the three alternating (the prompt is in decode's prefix cache each time)."""
+    channel = rpc.channel(address)
+    instances = internal_pb2_grpc.AdminStub(channel).ListInstances(internal_pb2.ListInstancesRequest()).instances
+    decode = internal_pb2_grpc.DecodeStub(rpc.channel(next(i.address for i in instances
+                                                          if i.role == common_pb2.ROLE_DECODE)))
+    router = inference_pb2_grpc.InferenceStub(channel)
+    one = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+    ids = list(next(r for r in router.Generate(inference_pb2.GenerateRequest(text=PROMPT, sampling=one))
+                    if r.HasField("final")).final.prompt_token_ids)
+    times: dict[str, list[float]] = {"router, token ids": [], "router, text": [], "decode directly": []}
+    for i in range(samples):
+        times["router, token ids"].append(first_token_ms(router.Generate(inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=ids), sampling=one))))
+        times["router, text"].append(first_token_ms(router.Generate(inference_pb2.GenerateRequest(
+            text=PROMPT, sampling=one))))
+        times["decode directly"].append(first_token_ms(decode.Decode(internal_pb2.DecodeRequest(
+            request_id=f"direct-{i}", prefill_locally=True, prompt_token_ids=ids, sampling=one))))
+    return times
+
+
+def through_the_mesh(streams: list[int], tokens: int, dtype: str,
+                     ttft_samples: int) -> tuple[dict[int, float], dict[str, list[float]]]:
     up = subprocess.Popen([str(Path(sys.executable).parent / "infermesh"), "up", "--port", "0", "--prefill", "0",
                            "--dtype", dtype], stdout=subprocess.PIPE, text=True)
     try:
@@ -80,7 +114,7 @@ def through_the_mesh(streams: list[int], tokens: int, dtype: str) -> dict[int, f
             with ThreadPoolExecutor(n) as pool:
                 total = sum(pool.map(one, range(n)))
             rates[n] = total / (time.monotonic() - start)
-        return rates
+        return rates, router_ttft(address, ttft_samples)
     finally:
         up.send_signal(2)
         up.wait(timeout=60)
@@ -91,12 +125,17 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ttft-samples", type=int, default=100)
     args = parser.parse_args()
     engine = in_process(args.streams, args.tokens, args.dtype)
-    mesh = through_the_mesh(args.streams, args.tokens, args.dtype)
+    mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples)
     print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process |\n|---|---|---|---|")
     for n in args.streams:
         print(f"| {n} | {engine[n]:.1f} | {mesh[n]:.1f} | {mesh[n] / engine[n]:.2f} |")
+    print(f"\n| one greedy token, {args.ttft_samples} samples | TTFT p50 ms | p90 ms |\n|---|---|---|")
+    for name, times in ttft.items():
+        ordered = sorted(times)
+        print(f"| {name} | {statistics.median(ordered):.2f} | {ordered[int(0.9 * (len(ordered) - 1))]:.2f} |")
     main_us, other_us = matmul_us(), on_another_thread(matmul_us)  # last: torch on a second thread, then none
     print(f"\nfp32 [1, 576] @ [576, 1536], {torch.get_num_threads()} threads: main thread {main_us:.1f} us, "
           f"another thread {other_us:.1f} us")
