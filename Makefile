@@ -39,8 +39,12 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
+# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~10 minutes on 2 cores).
 bench: setup
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/decode.py
+	$(BIN)/python bench/kvtransfer.py
+	$(BIN)/python bench/mesh.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
