@@ -7,9 +7,9 @@ the first piece and unlinks it at once, so the memory goes back when both ends c
 happens to either afterwards; it reads each layer from there into a buffer and writes it through the
 same checks as every transport (`KVReceiver`). A file's name carries its sender's pid: a prefill rank
 killed before decode opened its file leaves it behind, and the next sender on the host removes it
-(`sweep`). A path that is not one of ours in /dev/shm is refused,
-and a decode rank on another host cannot open the file: the push fails and decode recomputes the
-prompt, so pick this transport for prefill and decode instances that share a host.
+(`sweep`). A path that is not one of ours in /dev/shm is refused, and a decode rank on another host
+cannot open the file: the push fails and decode recomputes the prompt, so pick this transport for
+prefill and decode instances that share a host.
 
 The transport entry `shared_memory` (`kvtransfer.transports`).
 """
