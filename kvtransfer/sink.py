@@ -7,9 +7,10 @@ the first layer it learns the prompt's blocks and which of its tokens this rank
 stores, and plans this rank's pieces to the decode layout: the ranks' stored
 tokens partition the prompt, so their plans together cover it exactly once.
 Every layer it copies each destination rank's pieces out of the cache at once
-(one gather of their rows and the rank's head range) and sends them; `finish` waits for every destination's
-acknowledgement. It never raises into the engine step: a destination that fails
-is skipped from then on and `finish` raises its TransferError.
+(one gather of their rows and the rank's head range) and sends them; `finish`
+waits for every destination's acknowledgement. It never raises into the engine
+step: a destination that fails is skipped from then on and `finish` raises its
+TransferError.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def run_rows(runs: list[tuple[int, int]]) -> torch.Tensor:
     starts = torch.tensor([slot for slot, _ in runs], dtype=torch.long)
     counts = torch.tensor([n for _, n in runs], dtype=torch.long)
     run_offsets = torch.cumsum(counts, 0) - counts  # row where each run begins
-    return torch.repeat_interleave(starts - run_offsets, counts, output_size=int(counts.sum())) + \
-        torch.arange(int(counts.sum()))
+    total = int(counts.sum())
+    return torch.repeat_interleave(starts - run_offsets, counts, output_size=total) + torch.arange(total)
 
 
 class KVSender(abc.ABC):
