@@ -9,8 +9,9 @@ threads; each runs as a command on the engine thread (between steps) and
 KV arriving for reserved requests is written by a `KVReceiver` from transport
 threads under `kv_lock`; the engine thread takes the same lock to drop a
 reservation, so a piece is never written into blocks already given back. A
-reservation is a lease: one not joined within `lease_s` (its prefill instance or
-router vanished) is cancelled and its blocks freed.
+reservation is a lease: one not joined within `lease_s` of its reservation or of its
+last KV piece (its prefill instance or router vanished) is cancelled and its blocks
+freed; a router whose join comes too late has decode prefill the request itself.
 
 Lifecycle: `start()` -> serving -> `stop()` (abort what is left, join the thread;
 safe twice). Whether new work is admitted is the instance's call (`mesh.instance`);
@@ -155,6 +156,14 @@ class DecodeCore:
             return stream
 
         return self._call(run)
+
+    def reserved(self, request_id: str) -> tuple[int, ...] | None:
+        """The reservation's block table (None: none), for the KV receiver: each piece that arrives renews
+        the lease, so a push in progress never outlives it."""
+        table = self.reservations.get(request_id)
+        if table is not None and request_id in self._leases:
+            self._leases[request_id] = time.monotonic() + self.lease_s
+        return table
 
     def cancel(self, request_id: str, only_reserved: bool = False) -> bool:
         """Abort the request and free its blocks (`only_reserved`: only if it is still waiting for its KV)."""

@@ -136,7 +136,7 @@ class DecodeInstance(Instance):
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")
         self.links = rpc.Links(s.host)
-        receiver = KVReceiver(engine.kv_cache, self.core.reservations.get, self.core.kv_lock)
+        receiver = KVReceiver(engine.kv_cache, self.core.reserved, self.core.kv_lock)
         self.endpoints = open_endpoints(0, s.tp, receiver, self.links, shared)
         self.kv_endpoints = {name: [e.address, *(store.get(endpoint_key(name, r)).decode() for r in range(1, s.tp))]
                              for name, e in self.endpoints.items()}  # per transport: every rank's endpoint

@@ -28,6 +28,7 @@ import time
 from typing import Callable, Iterator
 
 import grpc
+from opentelemetry import trace
 
 from engine.block_manager import prefix_hashes
 from engine.errors import DeadlineExceeded, RequestError, ServingError, UnknownModel
@@ -249,7 +250,19 @@ class RouterCore:
                                                      sampling=sampling, resume_token_ids=resume)
             responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
             call.add_callback(responses.cancel)  # the client left: stop the work downstream
-            yield from responses
+            try:
+                yield from responses
+            except grpc.RpcError as e:
+                if not (reserved and e.code() is grpc.StatusCode.NOT_FOUND):
+                    raise
+                # the reservation's lease ran out before its KV came (a long prefill queue): decode prefills it
+                trace.get_current_span().add_event("reservation expired", {"decode": chosen.decode.id})
+                self.retries.add(1)
+                local = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                                   sampling=sampling)
+                responses = decode.Decode(local, timeout=self._remaining(call), metadata=metadata)
+                call.add_callback(responses.cancel)
+                yield from responses
             finished = True
         finally:
             if reserved and not finished:  # a reservation Decode may never have joined: free it now (else a no-op)

@@ -1,6 +1,8 @@
 """A KV reservation is a lease: when the prefill instance pushing into it is killed mid-push and the router
 that made it is gone too, nobody joins it; it expires, its blocks (with the partial KV) are freed, and a
-late join is told NOT_FOUND. A join within the lease runs to its end."""
+late join is told NOT_FOUND. A join within the lease runs to its end; each KV piece that arrives renews
+the lease. A prefill slower than the lease (a long queue) costs the client nothing: the router's late
+join finds no reservation and decode prefills the request itself, with the same tokens."""
 
 from __future__ import annotations
 
@@ -14,14 +16,19 @@ import grpc
 import pytest
 
 from decode_svc.server import DecodeInstance
+from engine import LLM
 from mesh import rpc
+from mesh.metrics import scrape
 from mesh.registry import MemoryRegistry, Role
 from mesh.registry.remote import RegistryService
-from mesh.settings import DecodeSettings
+from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
+from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
+from router.server import RouterInstance
 from tests.test_decode_service import collect
 from tests.test_lifecycle import LONG, wait_until
+from tests.test_router import generate
 
 
 def blocks_used(stub) -> int:
@@ -77,3 +84,40 @@ def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push()
         prefill.kill()
         prefill.wait()
         server.stop(None)
+
+
+def test_each_kv_piece_renews_the_lease(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    decode = DecodeInstance(DecodeSettings(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22,
+                                           reservation_lease_s=2.0), registry=MemoryRegistry())
+    try:
+        decode.core.reserve("r", [5, 6, 7], LONG)
+        for _ in range(3):  # 3.6 s in all, a lease of 2 s: a piece every 1.2 s keeps it
+            time.sleep(1.2)
+            assert decode.core.reserved("r") is not None  # what the KV receiver asks for each piece
+        wait_until(lambda: "r" not in decode.core.reservations, timeout_s=10)  # no more pieces: it expires
+        assert decode.core.engine.blocks.num_used_blocks == 0
+    finally:
+        decode.stop()
+
+
+def test_a_prefill_slower_than_the_lease_is_prefilled_on_decode_with_the_same_tokens(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    registry = MemoryRegistry()
+    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22)
+    prefill = PrefillInstance(PrefillSettings(**common), registry=registry)
+    decode = DecodeInstance(DecodeSettings(reservation_lease_s=1.0, **common), registry=registry)
+    router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=4), registry=registry)
+    engine_step = prefill.core.engine.step
+    prefill.core.engine.step = lambda: time.sleep(3.0) or engine_step()  # queued behind others for 3 s
+    try:
+        wait_until(lambda: len(registry.instances()) == 3)
+        prompt = [5 + i % 200 for i in range(40)]
+        tokens, final = generate(router.address, prompt, LONG)
+        assert tokens == LLM(str(folder), dtype="float32").generate([prompt], LONG)[0].token_ids
+        assert final.usage.completion_tokens == LONG.max_tokens
+        assert scrape(router.metrics.url)[("infermesh_retries_total", ())] == 1  # the late join, then decode
+        assert decode.core.engine.blocks.num_used_blocks == 0 and decode.core.in_flight == 0
+    finally:
+        for instance in (router, prefill, decode):
+            instance.stop()
