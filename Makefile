@@ -39,12 +39,13 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~10 minutes on 2 cores).
+# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~15 minutes on 2 cores).
 bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/decode.py
 	$(BIN)/python bench/kvtransfer.py
 	$(BIN)/python bench/mesh.py
+	$(BIN)/python bench/serve.py --plot bench/serve.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

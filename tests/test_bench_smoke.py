@@ -11,9 +11,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def run_quick(script: str, timeout: int) -> subprocess.CompletedProcess:
-    """Run `bench/<script> --quick` as a user would; fail with its stderr if it fails."""
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True,
+def run_quick(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run `bench/<script> --quick [args]` as a user would; fail with its stderr if it fails."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args], capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
@@ -54,3 +54,10 @@ def test_experts_bench_runs():
 def test_decode_bench_runs():
     proc = run_quick("decode.py", timeout=300)
     assert "| 2 | 64 |" in proc.stdout and "| 1 | 300 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_serve_bench_runs(tmp_path):
+    proc = run_quick("serve.py", "--plot", str(tmp_path / "serve.png"), timeout=600)
+    assert "| colocated |" in proc.stdout and "| disaggregated |" in proc.stdout
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
