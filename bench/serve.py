@@ -9,21 +9,26 @@ short chat turns and long documents, on three layouts started with `infermesh up
                           [--plot bench/serve.png] [--quick]
 
 Per layout: TTFT and TPOT p50/p99 (seen by the client: first streamed token; the gaps after it), output
-tokens/s over the run, and goodput (requests/s that met both SLOs). Prompts are random token ids (no
+tokens/s over the run, goodput (requests/s that met both SLOs) and the requests that failed, by status
+code (a failure counts as an infinite TTFT and TPOT). Prompts are random token ids (no
 prefix-cache hits between requests); every request is greedy with a fixed output length.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
@@ -48,6 +53,7 @@ class Outcome:
     ttft_s: float
     tpot_s: float  # mean gap between the tokens after the first
     tokens: int
+    error: str = ""  # the status code of a request that failed (its times are then infinite)
 
 
 def workload(n: int, rate: float, seed: int, document_share: float, document_tokens: int) -> list[Request]:
@@ -66,10 +72,13 @@ def workload(n: int, rate: float, seed: int, document_share: float, document_tok
 def one(stub, request: Request) -> Outcome:
     sampling = common_pb2.SamplingParams(max_tokens=request.output_tokens, temperature=0.0, ignore_eos=True)
     start, times = time.perf_counter(), []
-    for response in stub.Generate(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=request.prompt),
-                                                                sampling=sampling), timeout=600):
-        if response.HasField("delta") and response.delta.token_ids:
-            times += [time.perf_counter()] * len(response.delta.token_ids)
+    try:
+        for response in stub.Generate(inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=request.prompt), sampling=sampling), timeout=600):
+            if response.HasField("delta") and response.delta.token_ids:
+                times += [time.perf_counter()] * len(response.delta.token_ids)
+    except grpc.RpcError as e:
+        return Outcome(float("inf"), float("inf"), len(times), e.code().name)
     gaps = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
     return Outcome(times[0] - start, gaps, len(times))
 
@@ -123,14 +132,15 @@ def main() -> None:
     results = {name: run_layout(LAYOUTS[name], requests, args.dtype) for name in args.layouts}
     print(f"\n{len(requests)} requests ({documents} documents of {args.document_tokens} tokens, the rest chat turns), "
           f"Poisson {args.rate}/s, seed {args.seed}; SLO: TTFT <= {args.slo_ttft} s, TPOT <= {args.slo_tpot} s\n")
-    print("| layout | TTFT p50 s | TTFT p99 s | TPOT p50 s | TPOT p99 s | output tok/s | goodput req/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | TTFT p50 s | TTFT p99 s | TPOT p50 s | TPOT p99 s | output tok/s | goodput req/s | failed |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (outcomes, seconds) in results.items():
-        ttft, tpot = [o.ttft_s for o in outcomes], [o.tpot_s for o in outcomes]
+        ttft, tpot = [o.ttft_s for o in outcomes], [o.tpot_s for o in outcomes]  # a failure counts as infinite
         good = sum(o.ttft_s <= args.slo_ttft and o.tpot_s <= args.slo_tpot for o in outcomes)
+        failed = Counter(o.error for o in outcomes if o.error)
         print(f"| {name} | {percentile(ttft, 0.5):.2f} | {percentile(ttft, 0.99):.2f} | {percentile(tpot, 0.5):.3f} | "
               f"{percentile(tpot, 0.99):.3f} | {sum(o.tokens for o in outcomes) / seconds:.1f} | "
-              f"{good / seconds:.2f} |")
+              f"{good / seconds:.2f} | {', '.join(f'{n} {code}' for code, n in failed.items()) or 0} |")
     if args.plot:
         plot(results, args.plot)
         print(f"\nplot: {args.plot}")
@@ -145,8 +155,8 @@ def plot(results: dict[str, tuple[list[Outcome], float]], path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for name, (outcomes, _) in results.items():
         for axis, values in ((left, [o.ttft_s for o in outcomes]), (right, [o.tpot_s for o in outcomes])):
-            ordered = sorted(values)
-            axis.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=name)
+            finished = sorted(v for v in values if math.isfinite(v))  # a failed request never reaches the curve
+            axis.step(finished, [(i + 1) / len(values) for i in range(len(finished))], where="post", label=name)
     left.set(xlabel="time to first token (s)", ylabel="share of requests", xscale="log")
     right.set(xlabel="time per output token (s)")
     left.legend()
