@@ -241,28 +241,29 @@ class RouterCore:
         metadata = outgoing_metadata()
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
         reserved = chosen.prefill is not None and not resume
-        finished = False
-        try:
-            if reserved:
-                request = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
-            else:
-                request = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
-                                                     sampling=sampling, resume_token_ids=resume)
+        local = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
+                                           sampling=sampling, resume_token_ids=resume)
+
+        def stream(request: internal_pb2.DecodeRequest):
             responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
             call.add_callback(responses.cancel)  # the client left: stop the work downstream
-            try:
-                yield from responses
-            except grpc.RpcError as e:
-                if not (reserved and e.code() is grpc.StatusCode.NOT_FOUND):
-                    raise
-                # the reservation's lease ran out before its KV came (a long prefill queue): decode prefills it
-                trace.get_current_span().add_event("reservation expired", {"decode": chosen.decode.id})
-                self.retries.add(1)
-                local = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
-                                                   sampling=sampling)
-                responses = decode.Decode(local, timeout=self._remaining(call), metadata=metadata)
-                call.add_callback(responses.cancel)
-                yield from responses
+            return responses
+
+        finished = False
+        try:
+            if not reserved:
+                yield from stream(local)
+            else:
+                join = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
+                try:
+                    yield from stream(join)
+                except grpc.RpcError as e:
+                    if e.code() is not grpc.StatusCode.NOT_FOUND:
+                        raise
+                    # the reservation's lease ran out before its KV came (a long prefill queue): decode prefills it
+                    trace.get_current_span().add_event("reservation expired", {"decode": chosen.decode.id})
+                    self.retries.add(1)
+                    yield from stream(local)
             finished = True
         finally:
             if reserved and not finished:  # a reservation Decode may never have joined: free it now (else a no-op)
