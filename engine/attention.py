@@ -102,12 +102,16 @@ def paged_attention(
         tables = meta.decode_block_tables
         kd = gather_blocks(k_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
         vd = gather_blocks(v_cache, tables).transpose(1, 2)
-        kd, vd = for_query_heads(kd, kv_head_map), for_query_heads(vd, kv_head_map)
-        qd = q[: meta.num_decode, :, None, :]  # [B, Hq, 1, D]
+        batch, num_heads = meta.num_decode, q.shape[1]
+        if kv_head_map is None:  # plain GQA: a group's query heads are query rows of one KV head, read once
+            qd = q[:batch].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+        else:
+            kd, vd = for_query_heads(kd, kv_head_map), for_query_heads(vd, kv_head_map)
+            qd = q[:batch, :, None, :]  # [B, Hq, 1, D]
         # In the cache's dtype: on CPU, up-casting the gathered context to float32 first (once faster) now costs
         # 1.3-10x the attention itself (torch 2.13; bench/RESULTS.md, "decode attention in bfloat16").
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        outputs.append(od[:, :, 0, :])  # [B, Hq, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        outputs.append(od.reshape(batch, num_heads, head_dim))  # [B, Hq, D]
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
