@@ -1,7 +1,7 @@
 """Decode tokens/s of the in-process engine on SmolLM2 by batch and context length: how attention over
 the paged cache grows with the context (the long-context goal of #13 is batch 1 at 6,000 tokens).
 
-    python bench/decode.py [--quick] [--dtype bfloat16] [--cases 1x6000 8x1000 32x200 1x200]
+    python bench/decode.py [--quick] [--dtype bfloat16] [--quantization none] [--cases 1x6000 8x1000 32x200 1x200]
 
 A case BxL runs B sequences whose prompts are L tokens, prefills them, then times `--steps` decode
 steps (every sequence has its first token by then). Prints a markdown table.
@@ -40,14 +40,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="none", help="none | int8")
     parser.add_argument("--cases", nargs="+", default=["1x6000", "8x1000", "32x200", "1x200"])
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     cases = [(2, 64), (1, 300)] if args.quick else [tuple(map(int, c.split("x"))) for c in args.cases]
     steps = 4 if args.quick else args.steps
     core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, args.dtype)),
-                      EngineConfig(dtype=args.dtype, max_num_batched_tokens=2048))
-    print(f"\n{args.dtype}, {torch.get_num_threads()} threads, {steps} decode steps per case\n")
+                      EngineConfig(dtype=args.dtype, max_num_batched_tokens=2048, quantization=args.quantization))
+    print(f"\n{args.dtype}, weights {args.quantization}, {torch.get_num_threads()} threads, "
+          f"{steps} decode steps per case\n")
     print("| batch | context | decode tok/s |\n|---|---|---|")
     for batch, context in cases:
         print(f"| {batch} | {context} | {decode_rate(core, batch, context, steps):.1f} |", flush=True)

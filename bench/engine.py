@@ -1,4 +1,4 @@
-"""Engine throughput on SmolLM2: infermesh (fp32, bf16) next to transformers, same run.
+"""Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 with int8 weights) next to transformers, same run.
 
     python bench/engine.py [--quick] [--out bench/RESULTS.md]
 
@@ -28,9 +28,11 @@ from engine.weights import load_checkpoint  # noqa: E402
 PROMPT_TOKENS = [504, 3575, 282, 4649, 314]  # any short prompt; decode cost barely depends on it
 
 
-def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int) -> dict[str, float]:
+def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int,
+                    quantization: str = "none") -> dict[str, float]:
     core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, dtype)),
-                      EngineConfig(dtype=dtype, max_num_batched_tokens=max(2048, prefill_len)))
+                      EngineConfig(dtype=dtype, max_num_batched_tokens=max(2048, prefill_len),
+                                   quantization=quantization))
     greedy = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     rates = {}
     for b in (1, batch):
@@ -80,12 +82,13 @@ def main() -> None:
     args = parser.parse_args()
     batch, steps, prefill = (4, 4, 128) if args.quick else (32, 32, 2048)
     rows = []
-    for name, fn in (("infermesh", infermesh_rates), ("transformers", transformers_rates)):
-        for dtype in ("float32", "bfloat16"):
-            r = fn(dtype, batch, steps, prefill)
-            rows.append(f"| {name} | {dtype} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} "
-                        f"| {r['prefill']:.0f} |")
-            print(rows[-1], flush=True)
+    runs = [("infermesh", "float32", infermesh_rates, {}), ("infermesh", "bfloat16", infermesh_rates, {}),
+            ("infermesh", "bfloat16, int8 weights", infermesh_rates, {"quantization": "int8"}),
+            ("transformers", "float32", transformers_rates, {}), ("transformers", "bfloat16", transformers_rates, {})]
+    for name, label, fn, options in runs:
+        r = fn(label.split(",")[0], batch, steps, prefill, **options)
+        rows.append(f"| {name} | {label} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} | {r['prefill']:.0f} |")
+        print(rows[-1], flush=True)
     header = (
         f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
+QUANTIZATIONS = ("none", "int8")  # of the weights; int8: engine/quantize.py
+
+
+def check_quantization(name: str) -> None:
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
 
 
 class ConfigError(ValueError):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
+from engine.config import check_quantization
 from engine.errors import KVCacheFull, NoReservation, RequestError
 from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
@@ -49,12 +50,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context
     seed: int | None = None  # for requests without a seed of their own
+    quantization: str = "none"  # or int8: weight-only, for low-latency decode at few streams (engine/quantize.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES_BY_NAME:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        check_quantization(self.quantization)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,7 +100,7 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype,
                                                             config.kv_cache_bytes, kv_heads)
         layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
-                      num_blocks=num_blocks)
+                      num_blocks=num_blocks, quantization=config.quantization)
         if parallel.world_size == 1:
             self.executor = build_runner(checkpoint, connect(None, 0, parallel, host=rendezvous.host), **layout)
         else:

@@ -47,6 +47,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
+    quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
@@ -70,8 +71,8 @@ def generate(
     if target:
         ids, deltas = _remote_stream(target, prompt, chat, sampling)
     else:
-        parallel = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method)
-        ids, deltas = _local_stream(prompt, chat, params, model, dtype, parallel)
+        options = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method, quantization=quantization)
+        ids, deltas = _local_stream(prompt, chat, params, model, dtype, options)
     first, token_ids, text, reason = None, [], "", None
     for delta_ids, delta_text, finish in deltas:
         first = first or time.monotonic()
@@ -97,13 +98,13 @@ def generate(
         sys.stdout.write(json.dumps(result) + "\n")
 
 
-def _local_stream(prompt: str, chat: bool, params, model: str, dtype: str, parallel: dict):
+def _local_stream(prompt: str, chat: bool, params, model: str, dtype: str, options: dict):
     """(prompt ids, iterator of (token ids, text, finish reason)) from an engine in this process."""
     from engine import LLM
     from engine.parallel.launcher import ParallelError
 
     try:
-        llm = LLM(model, dtype=dtype, **parallel)
+        llm = LLM(model, dtype=dtype, **options)
     except ValueError as e:  # every engine input error (params, request, weights, config, layout) is a ValueError
         _fail(str(e))
     try:
@@ -185,6 +186,7 @@ def up(
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
     metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
+    quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
     admin_token: str = typer.Option("", envvar="INFERMESH_ADMIN_TOKEN", show_default=False,
                                     help="Scale and drain need this bearer token (prefer the variable)."),
@@ -193,7 +195,7 @@ def up(
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
-                metrics=metrics, dtype=dtype, admin_token=admin_token)
+                metrics=metrics, dtype=dtype, quantization=quantization, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():

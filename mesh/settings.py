@@ -13,6 +13,8 @@ import os
 import typing
 from dataclasses import dataclass
 
+from engine.config import check_quantization
+
 ENV_PREFIX = "INFERMESH_"
 
 
@@ -73,8 +75,13 @@ class EngineSettings(RankedSettings):
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    quantization: str = "none"  # or int8: weight-only int8 projections (engine/quantize.py)
     experts: str = ""  # host:port of an expert instance to run the MoE experts on ("": on this instance's ranks)
     expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
+
+    def __post_init__(self) -> None:
+        super(EngineSettings, self).__post_init__()
+        check_quantization(self.quantization)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -61,6 +61,7 @@ class MeshSpec:
     trace: str = "none"
     metrics: str = "none"
     dtype: str = "bfloat16"
+    quantization: str = "none"  # or int8 (prefill and decode weights)
     kv_cache_bytes: int = 1 << 30
     startup_timeout_s: float = 300.0
     admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
@@ -116,7 +117,7 @@ class Supervisor:
             self.registry_address = f"grpc://{address}"
         common = ["--model", s.model, "--registry", self.registry_address, "--trace", s.trace, "--metrics",
                   s.metrics, "--host", s.host]
-        engine = ["--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes)]
+        engine = ["--dtype", s.dtype, "--quantization", s.quantization, "--kv-cache-bytes", str(s.kv_cache_bytes)]
         self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)]),
                           Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}
         try:

@@ -12,6 +12,7 @@ from engine.parallel.cp_runner import ContextParallelRunner
 from engine.parallel.ep import shard_for_ep
 from engine.parallel.expert_attach import attach_experts
 from engine.parallel.tp import shard_for_tp
+from engine.quantize import quantize_int8
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint, WeightsError
 
@@ -28,12 +29,14 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 
 
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
-                 num_blocks: int) -> ModelRunner:
-    """This rank's model (sharded for `ctx`) and KV cache (its KV heads only)."""
+                 num_blocks: int, quantization: str = "none") -> ModelRunner:
+    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only)."""
     try:
         model = build_model(checkpoint.config, checkpoint.weights, device)
     except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
         raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
+    if quantization == "int8":  # before sharding: every layout computes with the same int8 weights and scales
+        quantize_int8(model)
     parallelize(model, ctx)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)

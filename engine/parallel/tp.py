@@ -80,10 +80,24 @@ def shard_for_tp(model: Transformer, ctx: ParallelContext, *, shard_experts: boo
             mlp.register_forward_hook(reduce)
     v0, v1 = split_range(cfg.vocab_size, tp, rank)
     tied = model.lm_head.weight is model.embed_tokens.weight
-    embed_rows = model.embed_tokens.weight[v0:v1].clone()  # [V/tp, D]
-    head_rows = embed_rows if tied else model.lm_head.weight[v0:v1].clone()
-    model.embed_tokens = VocabParallelEmbedding(embed_rows, v0, reducer)
-    model.lm_head = VocabParallelLMHead(head_rows, cfg.vocab_size, group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[v0:v1].clone(), v0, reducer)  # [V/tp, D]
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        keep_rows(model.lm_head, torch.arange(v0, v1))
+    model.lm_head = VocabParallelLMHead(model.lm_head, cfg.vocab_size, group)
+
+
+def keep_rows(linear: nn.Module, rows: torch.Tensor) -> None:
+    """Column parallelism: keep these output rows of a linear layer (weight, bias, int8 scale)."""
+    for name in ("weight", "bias", "scale"):
+        if getattr(linear, name, None) is not None:
+            setattr(linear, name, nn.Parameter(getattr(linear, name)[rows], requires_grad=False))
+
+
+def keep_columns(linear: nn.Module, start: int, end: int) -> None:
+    """Row parallelism: keep input columns [start, end) (an int8 layer keeps its rows' scales)."""
+    linear.weight = nn.Parameter(linear.weight[:, start:end].clone(), requires_grad=False)
 
 
 def _all_reduce_output(reducer: AllReducer):
@@ -100,10 +114,8 @@ def _shard_attention(attn: Attention, cfg: ModelConfig, shard: HeadShard) -> Non
     rows = torch.cat([torch.arange(q0 * d, q1 * d),
                       q_size + torch.arange(k0 * d, k1 * d),
                       q_size + kv_size + torch.arange(k0 * d, k1 * d)])
-    attn.qkv_proj.weight = nn.Parameter(attn.qkv_proj.weight[rows], requires_grad=False)  # [(q+2kv)/tp, D]
-    if attn.qkv_proj.bias is not None:
-        attn.qkv_proj.bias = nn.Parameter(attn.qkv_proj.bias[rows], requires_grad=False)
-    attn.o_proj.weight = nn.Parameter(attn.o_proj.weight[:, q0 * d:q1 * d].clone(), requires_grad=False)  # [D, q/tp]
+    keep_rows(attn.qkv_proj, rows)  # [(q+2kv)/tp, D]
+    keep_columns(attn.o_proj, q0 * d, q1 * d)  # [D, q/tp]
     attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
     local_map = shard.kv_head_map(cfg)
@@ -113,12 +125,10 @@ def _shard_attention(attn: Attention, cfg: ModelConfig, shard: HeadShard) -> Non
 
 
 def _shard_dense_mlp(mlp: DenseMLP, tp: int, rank: int) -> None:
-    gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
-    inter = down.shape[1]
+    inter = mlp.down_proj.weight.shape[1]
     i0, i1 = split_range(inter, tp, rank)
-    mlp.gate_up_proj.weight = nn.Parameter(torch.cat([gate_up[i0:i1], gate_up[inter + i0:inter + i1]]),
-                                           requires_grad=False)  # [2I/tp, D]
-    mlp.down_proj.weight = nn.Parameter(down[:, i0:i1].clone(), requires_grad=False)  # [D, I/tp]
+    keep_rows(mlp.gate_up_proj, torch.cat([torch.arange(i0, i1), torch.arange(inter + i0, inter + i1)]))  # [2I/tp, D]
+    keep_columns(mlp.down_proj, i0, i1)  # [D, I/tp]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -135,16 +145,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    def __init__(self, rows: torch.Tensor, vocab_size: int, group) -> None:
+    def __init__(self, head: nn.Module, vocab_size: int, group) -> None:
         super().__init__()
-        self.weight = nn.Parameter(rows, requires_grad=False)  # [V_local, D]
+        self.head = head  # this rank's rows: [V_local, D]
         self.vocab_size, self.group = vocab_size, group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         world = self.group.size()
         widths = [split_range(self.vocab_size, world, r) for r in range(world)]
         widest = max(end - start for start, end in widths)
-        local = F.linear(hidden, self.weight)  # [N, V_local]
+        local = self.head(hidden)  # [N, V_local]
         padded = F.pad(local, (0, widest - local.shape[1])).contiguous()  # [N, widest]
         gathered = padded.new_empty((world, *padded.shape))  # [W, N, widest]
         self.group._allgather_base(gathered.view(-1), padded.view(-1)).wait()

@@ -207,6 +207,7 @@ imagePullSecrets:
     - --local-ranks={{ .perPod }}
     {{- if ne .r.role "expert" }}
     - --device={{ .root.Values.model.device }}
+    - --quantization={{ .root.Values.model.quantization }}
     - --kv-cache-bytes={{ int64 .v.kvCacheBytes }}
     {{- if gt (int .root.Values.expert.replicas) 0 }}
     - --experts={{ .root.Release.Name }}-expert:{{ .root.Values.ports.grpc }}
