@@ -28,6 +28,9 @@ from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc  # noqa: E402,E501
 
 PROMPT = "Tell me a long story about a dragon and a knight."
+# ~40 tokens, more than one KV block: the router reads the prefix hits of its blocks, as for a real chat turn
+TTFT_PROMPT = ("You are a helpful assistant who answers briefly. The user asks: tell me a long story about a "
+               "dragon and a knight who meet on a bridge over a river at dawn.")
 
 
 def matmul_us(rows: int = 1, dim: int = 576, out: int = 1536, runs: int = 2000) -> float:
@@ -80,14 +83,14 @@ def router_ttft(address: str, samples: int) -> dict[str, list[float]]:
                                                           if i.role == common_pb2.ROLE_DECODE)))
     router = inference_pb2_grpc.InferenceStub(channel)
     one = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
-    ids = list(next(r for r in router.Generate(inference_pb2.GenerateRequest(text=PROMPT, sampling=one))
+    ids = list(next(r for r in router.Generate(inference_pb2.GenerateRequest(text=TTFT_PROMPT, sampling=one))
                     if r.HasField("final")).final.prompt_token_ids)
     times: dict[str, list[float]] = {"router, token ids": [], "router, text": [], "decode directly": []}
     for i in range(samples):
         times["router, token ids"].append(first_token_ms(router.Generate(inference_pb2.GenerateRequest(
             token_ids=inference_pb2.TokenIds(ids=ids), sampling=one))))
         times["router, text"].append(first_token_ms(router.Generate(inference_pb2.GenerateRequest(
-            text=PROMPT, sampling=one))))
+            text=TTFT_PROMPT, sampling=one))))
         times["decode directly"].append(first_token_ms(decode.Decode(internal_pb2.DecodeRequest(
             request_id=f"direct-{i}", prefill_locally=True, prompt_token_ids=ids, sampling=one))))
     return times

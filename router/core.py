@@ -76,6 +76,7 @@ class RouterCore:
         self._lock = threading.Lock()
         self.active = 0  # streams being served
         self._routed: dict[str, list[int]] = {}  # decode id -> [requests, prompt blocks] routed, unfinished
+        self._block_size = 0  # the decode instances' KV block size, as last read
 
     # ---- checks and prompts (both faces) ---------------------------------------------------
 
@@ -199,11 +200,18 @@ class RouterCore:
 
     def _route(self, ids: list[int], failed: set[str]):
         with tracer().start_as_current_span("router.route") as route_span:
-            decodes = [self._with_routed(d) for d in self.registry.instances(Role.DECODE) if d.id not in failed]
-            block_size = next((d.block_size for d in decodes if d.block_size), 0)  # one for all: decode enforces it
-            hits = self.registry.prefix_hits(prefix_hashes(ids, block_size)) if block_size else {}
+            # the hashes in the block size last seen (decode enforces one for all), read with the instances
+            chain = prefix_hashes(ids, self._block_size) if self._block_size else []
+            everyone, hits = self.registry.instances_and_hits(chain)
+            decodes = [self._with_routed(d) for d in everyone if d.role is Role.DECODE and d.id not in failed]
+            prefills = [i for i in everyone if i.role is Role.PREFILL]
+            block_size = next((d.block_size for d in decodes if d.block_size), 0)
+            if block_size != self._block_size:  # the first request, or a mesh that changed: read the hits again
+                self._block_size = block_size
+                chain = prefix_hashes(ids, block_size) if block_size else []
+                hits = self.registry.prefix_hits(chain) if chain else {}
             try:
-                chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=self.registry.instances(Role.PREFILL),
+                chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=prefills,
                                policy=self.settings.policy, turn=next(self._turns), prefix_hits=hits,
                                block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
                                max_active=self.settings.shed_active_requests)

@@ -88,3 +88,13 @@ def test_prefix_hits_count_leading_blocks_held(registry):
 def test_a_bad_registry_spec_is_refused():
     with pytest.raises(ValueError, match="registry must be 'memory', 'redis://HOST:PORT' or 'grpc://HOST:PORT', got 'etcd://x'"):
         connect_registry("etcd://x")
+
+
+def test_instances_and_hits_read_together_equal_the_two_reads(registry):
+    registry.register(info("d1"), ttl_s=30)
+    registry.register(info("p1", Role.PREFILL), ttl_s=30)
+    registry.set_block_hashes("d1", {11, 12}, ttl_s=30)
+    assert registry.instances_and_hits([11, 12, 13]) == (registry.instances(), {"d1": 2, "p1": 0})
+    assert registry.instances_and_hits([]) == (registry.instances(), {})  # no hits to read for no blocks
+    registry.deregister("d1")
+    assert registry.instances_and_hits([11]) == ([info("p1", Role.PREFILL)], {"p1": 0})

@@ -12,7 +12,7 @@ import pytest
 from decode_svc.server import DecodeInstance
 from engine import LLM
 from engine.errors import Unavailable
-from mesh.registry import MemoryRegistry, Role, connect_registry
+from mesh.registry import InstanceInfo, MemoryRegistry, Role, connect_registry
 from mesh.registry.last_known import LastKnown
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
@@ -65,3 +65,25 @@ def test_a_router_that_never_read_the_registry_says_so():
     with pytest.raises(Unavailable, match="the registry is unreachable and this router has not read it yet"):
         LastKnown(Down()).instances(Role.DECODE)
     assert LastKnown(Down()).prefix_hits([1, 2]) == {}
+
+    with pytest.raises(Unavailable, match="has not read it yet"):
+        LastKnown(Down()).instances_and_hits([1, 2])
+
+
+def test_the_combined_read_answers_the_last_instances_and_no_hits_while_the_registry_is_down():
+    class Flaky(MemoryRegistry):
+        down = False
+
+        def instances(self, role=None):
+            if self.down:
+                raise ConnectionError("connection refused")
+            return super().instances(role)
+
+    flaky = Flaky()
+    flaky.register(InstanceInfo(id="d1", role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m"), ttl_s=30)
+    flaky.set_block_hashes("d1", {5}, ttl_s=30)
+    registry = LastKnown(flaky)
+    live, hits = registry.instances_and_hits([5, 6])
+    assert [i.id for i in live] == ["d1"] and hits == {"d1": 1}
+    flaky.down = True
+    assert registry.instances_and_hits([5, 6]) == (live, {})

@@ -83,5 +83,10 @@ class Registry(abc.ABC):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         """For each live instance: how many leading hashes of `chain` it holds."""
 
+    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
+        """`instances()` and `prefix_hits(chain)` (none read for an empty chain), read together: what a router
+        reads per request, in one round trip where the backend allows (each read is one on the request's path)."""
+        return self.instances(), self.prefix_hits(chain) if chain else {}
+
     def close(self) -> None:  # noqa: B027 - a registry without connections has nothing to release
         """Release connections; safe to call twice."""

@@ -43,6 +43,18 @@ class LastKnown(Registry):
                 raise Unavailable("the registry is unreachable and this router has not read it yet")
             return list(self._answers[role])
 
+    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
+        if time.monotonic() >= self._down_until:
+            try:
+                found, hits = self.registry.instances_and_hits(chain)
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
+            else:
+                with self._lock:
+                    self._answers[None] = found
+                return found, hits
+        return self.instances(), {}
+
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         if time.monotonic() >= self._down_until:
             try:

@@ -54,7 +54,13 @@ class RedisRegistry(Registry):
             pipe.execute()
 
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
-        ids = sorted(self._live())
+        return self._hits(sorted(self._live()), chain)
+
+    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
+        live = self._live()  # read once for both
+        return [info for _, info in sorted(live.items())], self._hits(sorted(live), chain) if chain else {}
+
+    def _hits(self, ids: list[str], chain: list[int]) -> dict[str, int]:
         if not chain:
             return {iid: 0 for iid in ids}
         with self._redis.pipeline(transaction=False) as pipe:

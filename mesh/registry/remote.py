@@ -95,5 +95,10 @@ class GrpcRegistry(Registry):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         return dict(self._stub.PrefixHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S).hits)
 
+    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
+        listed = self._stub.ListInstances.future(internal_pb2.ListInstancesRequest(), timeout=self.TIMEOUT_S)
+        hits = self.prefix_hits(chain) if chain else {}  # while the list is on its way: both in one round trip
+        return [from_message(m) for m in listed.result().instances], hits
+
     def close(self) -> None:
         self._channel.close()
