@@ -68,6 +68,10 @@ class RegistryService(internal_pb2_grpc.RegistryServicer):
     def PrefixHits(self, request, context):
         return internal_pb2.PrefixHitsResponse(hits=self.registry.prefix_hits(list(request.chain)))
 
+    def InstancesAndHits(self, request, context):
+        found, hits = self.registry.instances_and_hits(list(request.chain))
+        return internal_pb2.InstancesAndHitsResponse(instances=[to_message(i) for i in found], hits=hits)
+
 
 class GrpcRegistry(Registry):
     TIMEOUT_S = 5.0
@@ -96,9 +100,8 @@ class GrpcRegistry(Registry):
         return dict(self._stub.PrefixHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S).hits)
 
     def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
-        listed = self._stub.ListInstances.future(internal_pb2.ListInstancesRequest(), timeout=self.TIMEOUT_S)
-        hits = self.prefix_hits(chain) if chain else {}  # while the list is on its way: both in one round trip
-        return [from_message(m) for m in listed.result().instances], hits
+        answer = self._stub.InstancesAndHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S)
+        return [from_message(m) for m in answer.instances], dict(answer.hits)
 
     def close(self) -> None:
         self._channel.close()

@@ -361,3 +361,18 @@ class PrefixHitsResponse(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.ScalarMap[str, int]
     def __init__(self, hits: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class InstancesAndHitsResponse(_message.Message):
+    __slots__ = ("instances", "hits")
+    class HitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
+    hits: _containers.ScalarMap[str, int]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., hits: _Optional[_Mapping[str, int]] = ...) -> None: ...

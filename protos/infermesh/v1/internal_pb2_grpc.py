@@ -772,6 +772,11 @@ class RegistryStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.FromString,
                 _registered_method=True)
+        self.InstancesAndHits = channel.unary_unary(
+                '/infermesh.v1.Registry/InstancesAndHits',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -808,6 +813,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InstancesAndHits(self, request, context):
+        """every instance and the prefix hits of a chain, in one call: what a router reads per request
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -835,6 +847,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.PrefixHits,
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.SerializeToString,
+            ),
+            'InstancesAndHits': grpc.unary_unary_rpc_method_handler(
+                    servicer.InstancesAndHits,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -973,6 +990,33 @@ class Registry:
             '/infermesh.v1.Registry/PrefixHits',
             protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
             protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InstancesAndHits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Registry/InstancesAndHits',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.FromString,
             options,
             channel_credentials,
             insecure,
