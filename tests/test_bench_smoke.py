@@ -23,6 +23,12 @@ def run_quick(script: str, *args: str, timeout: int) -> subprocess.CompletedProc
 def test_engine_bench_runs():
     proc = run_quick("engine.py", timeout=600)
     assert "| infermesh | bfloat16 |" in proc.stdout and "| transformers | float32 |" in proc.stdout
+    assert "| infermesh | bfloat16, int8 weights |" in proc.stdout
+
+
+def test_int8_matmul_bench_runs():
+    proc = run_quick("int8_matmul.py", timeout=300)
+    assert "| 17 |" in proc.stdout
 
 
 def test_parallel_bench_runs():

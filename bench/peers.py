@@ -1,0 +1,87 @@
+"""infermesh next to llama.cpp on the same SmolLM2 GGUF, in one run, when asked (not in CI, not in `make bench`).
+
+    python bench/peers.py --install      # once: builds llama-cpp-python into .peers-venv (~11 min on 2 cores)
+    python bench/peers.py [--quick]
+
+llama.cpp (through `llama-cpp-python`, in its own virtual environment: it builds from source and is no
+dependency of ours) runs the bundled GGUF as shipped, Q4_1 weights, on every core; infermesh dequantizes
+the same file to bf16, and to int8 weights with `quantization="int8"`. Measured one after the other:
+- batch-1 decode tokens/s: llama.cpp times `eval` of one token after a 6-token prompt (logits computed,
+  no sampling); infermesh times engine steps of one greedy sequence (sampling included);
+- prefill tokens/s of one 2,048-token prompt.
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
+
+from bench.engine import infermesh_rates  # noqa: E402
+from engine.model_info import resolve_model  # noqa: E402
+
+PEERS_VENV = ROOT / ".peers-venv"
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+# Built for this CPU's AVX-512 but without ggml's AMX kernels: with -march=native they are compiled in and
+# segfault on the 2-core VMs here (ggml_backend_amx_mul_mat, the first eval).
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+LLAMA_CPP_RATES = """
+import json, os, sys, time
+from llama_cpp import Llama
+path, steps, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=max(512, prefill + 8), n_batch=prefill, n_threads=os.cpu_count(), verbose=False)
+llm.eval([504, 3575, 282, 4649, 314, 28])
+start = time.perf_counter()
+for _ in range(steps):
+    llm.eval([28])
+decode = steps / (time.perf_counter() - start)
+llm.reset()
+start = time.perf_counter()
+llm.eval([(7 * i) % 40000 + 100 for i in range(prefill)])
+print(json.dumps({"decode_b1": decode, "prefill": prefill / (time.perf_counter() - start)}))
+"""
+
+
+def install() -> None:
+    subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+    subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", LLAMA_CPP], check=True,
+                   env=os.environ | {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count()), "CMAKE_ARGS": CMAKE_ARGS})
+
+
+def llama_cpp_rates(python: str, steps: int, prefill: int) -> dict[str, float]:
+    out = subprocess.run([python, "-c", LLAMA_CPP_RATES, str(resolve_model("smollm2-135m")), str(steps), str(prefill)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--install", action="store_true", help=f"build {LLAMA_CPP} into {PEERS_VENV.name}")
+    parser.add_argument("--python", default=str(PEERS_VENV / "bin" / "python"), help="a python with llama_cpp")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    args = parser.parse_args()
+    if args.install:
+        install()
+        return
+    steps, prefill = (4, 128) if args.quick else (64, 2048)
+    rows = [("llama.cpp (llama-cpp-python)", "Q4_1 as shipped", llama_cpp_rates(args.python, steps, prefill))]
+    for label, quantization in (("bfloat16", "none"), ("int8 weights, bf16 activations", "int8")):
+        r = infermesh_rates("bfloat16", 1, steps, prefill, quantization=quantization)
+        rows.append(("infermesh engine", label, r))
+    print(f"\n{os.cpu_count()} cores, {steps} decode steps\n")
+    print(f"| engine | weights | decode b1 tok/s | prefill {prefill} tok/s |\n|---|---|---|---|")
+    for name, weights, r in rows:
+        print(f"| {name} | {weights} | {r['decode_b1']:.1f} | {r['prefill']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
