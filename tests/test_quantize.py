@@ -1,6 +1,7 @@
 """Weight-only int8 (`quantization="int8"`): the engine computes what transformers computes with the same
 weights rounded to int8 and back (fp32 logits close, greedy tokens identical), on tiny checkpoints and on
-SmolLM2; both of its matmul paths agree; TP=2 gives what one rank gives; a bad value is refused by name."""
+SmolLM2; both of its matmul paths agree; TP=2 gives what one rank gives; a mesh started with
+`--quantization int8` serves the int8 engine's tokens and log-probabilities; a bad value is refused by name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from torch import nn
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_rows
+from mesh.rpc import channel
 from mesh.settings import DecodeSettings, load
+from protos.convert import sampling_message
+from protos.infermesh.v1 import inference_pb2, inference_pb2_grpc
+from tests.conftest import TINY_VOCAB
+from tests.test_mesh_processes import start_mesh, started, stop_mesh
 from tests.test_parallel_parity import run_with_logits
 from tests.test_parity_tiny import capture_logits, hf_greedy, prompts
 
@@ -93,6 +99,35 @@ def test_tensor_parallel_int8_equals_one_rank_int8(tiny_checkpoint):
     for (tokens, logits, cached), (p_tokens, p_logits, p_cached) in zip(single, parallel):
         assert tokens == p_tokens and cached == p_cached
         torch.testing.assert_close(p_logits, logits, atol=1e-4, rtol=0)
+
+
+def test_a_mesh_started_with_int8_serves_the_int8_engines_tokens_and_logprobs(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (9, 60)]  # local, disaggregated
+    proc, address = start_mesh(str(folder), "--quantization", "int8", "--prefill-cp", "2", "--decode-tp", "2",
+                               "--local-prefill-max-tokens", "20")
+    pids = [i["pid"] for i in started(address)]
+    try:
+        stub = inference_pb2_grpc.InferenceStub(channel(address))
+        served = []
+        for prompt in prompts:
+            deltas = [r.delta for r in stub.Generate(inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=prompt), sampling=sampling_message(params)), timeout=120)
+                if r.HasField("delta")]
+            served.append(([t for d in deltas for t in d.token_ids],
+                           [lp.chosen.logprob for d in deltas for lp in d.logprobs]))
+    finally:
+        stop_mesh(proc, pids)
+    int8 = LLM(str(folder), dtype="float32", quantization="int8").generate(prompts, params)
+    plain = LLM(str(folder), dtype="float32").generate(prompts, params)
+    for (tokens, logprobs), q in zip(served, int8):
+        assert tokens == q.token_ids
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor([lp.logprob for lp in q.logprobs]),
+                                   atol=1e-4, rtol=0)
+    unrounded = torch.tensor([lp.logprob for p in plain for lp in p.logprobs])
+    assert (torch.tensor([lp for _, lps in served for lp in lps]) - unrounded).abs().max() > 1e-3  # int8, not fp
 
 
 def test_an_unknown_quantization_is_refused_by_name():
