@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python bench/decode.py
 	$(BIN)/python bench/kvtransfer.py
 	$(BIN)/python bench/mesh.py
+	$(BIN)/python bench/push.py
 	$(BIN)/python bench/serve.py --plot bench/serve.png
 
 clean:

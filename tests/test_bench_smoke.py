@@ -67,3 +67,9 @@ def test_serve_bench_runs(tmp_path):
     proc = run_quick("serve.py", "--plot", str(tmp_path / "serve.png"), timeout=600)
     assert "| colocated |" in proc.stdout and "| disaggregated |" in proc.stdout
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_push_bench_runs():
+    proc = run_quick("push.py", timeout=600)
+    assert "| prefilled on decode |" in proc.stdout and "| prefill + decode, shared_memory |" in proc.stdout
