@@ -4,7 +4,7 @@
     prefilled on decode      --prefill 0: no KV moves
     prefill + decode, T      --prefill 1 --local-prefill-max-tokens 0 --kv-transport T, for each transport
 
-    python bench/push.py [--prompt-tokens 2048] [--requests 5] [--quick]
+    python bench/push.py [--prompt-tokens 2048] [--requests 5] [--transports ...] [--quick]
 
 With one request in flight, the prefill instance has the cores to itself while it computes, as decode
 does in the first layout, so the TTFT difference is the disaggregated path's own cost: reserve, the
@@ -62,13 +62,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     args = parser.parse_args()
     tokens, requests = (128, 2) if args.quick else (args.prompt_tokens, args.requests)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, VOCAB) for _ in range(tokens)] for _ in range(requests + 1)]
     layouts = {"prefilled on decode": ["--prefill", "0"]}
-    for transport in TRANSPORTS:
+    for transport in args.transports:
         layouts[f"prefill + decode, {transport}"] = ["--prefill", "1", "--local-prefill-max-tokens", "0",
                                                      "--kv-transport", transport]
     print(f"\n{tokens}-token prompts, one at a time, {requests} timed each, {args.dtype}\n")
