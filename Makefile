@@ -39,7 +39,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~15 minutes on 2 cores).
+# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~20 minutes on 2 cores).
 bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/decode.py
