@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
+from bench.up import running_mesh  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc  # noqa: E402,E501
@@ -98,11 +98,7 @@ def router_ttft(address: str, samples: int) -> dict[str, list[float]]:
 
 def through_the_mesh(streams: list[int], tokens: int, dtype: str,
                      ttft_samples: int) -> tuple[dict[int, float], dict[str, list[float]]]:
-    up = subprocess.Popen([str(Path(sys.executable).parent / "infermesh"), "up", "--port", "0", "--prefill", "0",
-                           "--dtype", dtype], stdout=subprocess.PIPE, text=True)
-    try:
-        address = next(line.split()[3] for line in up.stdout if line.startswith("infermesh ready on "))
-        threading.Thread(target=up.stdout.read, daemon=True).start()
+    with running_mesh("--prefill", "0", "--dtype", dtype) as address:
         stub = inference_pb2_grpc.InferenceStub(rpc.channel(address))
         request = inference_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(
             max_tokens=tokens, temperature=0.0, ignore_eos=True))
@@ -118,9 +114,6 @@ def through_the_mesh(streams: list[int], tokens: int, dtype: str,
                 total = sum(pool.map(one, range(n)))
             rates[n] = total / (time.monotonic() - start)
         return rates, router_ttft(address, ttft_samples)
-    finally:
-        up.send_signal(2)
-        up.wait(timeout=60)
 
 
 def main() -> None:

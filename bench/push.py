@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
+from bench.up import running_mesh  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
@@ -44,17 +43,10 @@ def ttft_s(stub, prompt: list[int]) -> float:
 
 
 def layout_ttfts(args: list[str], prompts: list[list[int]], dtype: str) -> list[float]:
-    up = subprocess.Popen([str(Path(sys.executable).parent / "infermesh"), "up", "--port", "0", "--dtype", dtype,
-                           *args], stdout=subprocess.PIPE, text=True)
-    try:
-        address = next(line.split()[3] for line in up.stdout if line.startswith("infermesh ready on "))
-        threading.Thread(target=up.stdout.read, daemon=True).start()
+    with running_mesh("--dtype", dtype, *args) as address:
         stub = inference_pb2_grpc.InferenceStub(rpc.channel(address))
         ttft_s(stub, prompts[0])  # warm-up: first allocations, first connections
         return [ttft_s(stub, p) for p in prompts[1:]]
-    finally:
-        up.send_signal(2)
-        up.wait(timeout=60)
 
 
 def main() -> None:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +31,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
+from bench.up import running_mesh  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
@@ -84,11 +83,7 @@ def one(stub, request: Request) -> Outcome:
 
 
 def run_layout(args: list[str], requests: list[Request], dtype: str) -> tuple[list[Outcome], float]:
-    up = subprocess.Popen([str(Path(sys.executable).parent / "infermesh"), "up", "--port", "0", "--dtype", dtype,
-                           *args], stdout=subprocess.PIPE, text=True)
-    try:
-        address = next(line.split()[3] for line in up.stdout if line.startswith("infermesh ready on "))
-        threading.Thread(target=up.stdout.read, daemon=True).start()
+    with running_mesh("--dtype", dtype, *args) as address:
         stub = inference_pb2_grpc.InferenceStub(rpc.channel(address))
         one(stub, Request(0.0, list(range(100, 140)), 4))  # warm up
 
@@ -100,9 +95,6 @@ def run_layout(args: list[str], requests: list[Request], dtype: str) -> tuple[li
         with ThreadPoolExecutor(len(requests)) as pool:
             outcomes = list(pool.map(arrive, requests))
         return outcomes, time.perf_counter() - start
-    finally:
-        up.send_signal(2)
-        up.wait(timeout=60)
 
 
 def percentile(values: list[float], q: float) -> float:
