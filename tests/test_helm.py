@@ -81,6 +81,10 @@ def test_default_values_give_one_gpu_pod_per_instance_redis_and_grpc_probes():
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in \
             workload["spec"]["template"]["spec"]["volumes"]
     assert gpus(containers(router)[0]) == (0, 0) and "--http-port=8001" in containers(router)[0]["args"]
+    assert all("--quantization=none" in containers(w)[0]["args"] for w in (prefill, decode))
+    int8 = render("--set", "model.quantization=int8")
+    assert all("--quantization=int8" in containers(int8["Deployment", f"mesh-{role}"])[0]["args"]
+               for role in ("prefill", "decode"))
     assert not [e for c in containers(decode) for e in c["env"] if e["name"] == "INFERMESH_ADMIN_TOKEN"]
     service = rendered["Service", "mesh-router"]
     assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}
@@ -154,3 +158,5 @@ def test_values_that_cannot_work_are_refused_with_a_reason():
     assert no_redis.returncode != 0 and "registry.externalUrl" in no_redis.stderr
     bad = helm("template", "mesh", str(CHART), "--set", "model.source.type=ftp")
     assert bad.returncode != 0 and "model/source/type" in bad.stderr  # values.schema.json
+    int4 = helm("template", "mesh", str(CHART), "--set", "model.quantization=int4")
+    assert int4.returncode != 0 and "model/quantization" in int4.stderr
