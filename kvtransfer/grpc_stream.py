@@ -1,7 +1,8 @@
 """KV transfer over a gRPC client stream (works everywhere): `KVTransfer.Push`, one stream per
 (request, destination rank) and one message per layer (all its pieces for that rank: a 2,048-token
 prompt is 30 messages, not 3,840); the destination rank's server writes the pieces into its cache and
-answers once the stream ends, which is the acknowledgement `finish` waits for.
+answers once the stream ends, which is the acknowledgement `finish` waits for. The sender writes each
+message's wire bytes itself (`wire_message`): protobuf's encoder copies a big bytes field at ~1.4 GB/s.
 
 The transport entry `grpc_stream` (`kvtransfer.transports`): each decode rank serves `KVTransfer` on a
 server of its own; a prefill rank opens one stream per decode rank over its service's pooled channels."""
@@ -27,11 +28,36 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # a CUDA cache's pieces come to the host
 
 
+KEYS_FIELD = internal_pb2.KVPiece.DESCRIPTOR.fields_by_name["keys"].number
+VALUES_FIELD = internal_pb2.KVPiece.DESCRIPTOR.fields_by_name["values"].number
+
+
+def wire_message(piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """`piece` serialized with `keys` and `values` as its `keys` and `values` fields: the small fields by
+    protobuf, the two tensors appended as length-delimited fields (the bytes protobuf would write, which a
+    parser reads the same in any field order), 6x faster for a 1.6 MB layer (bench/RESULTS.md)."""
+    head = piece.SerializeToString()
+    k, v = tensor_bytes(keys), tensor_bytes(values)
+    return b"".join([head, _field_prefix(KEYS_FIELD, len(k)), k, _field_prefix(VALUES_FIELD, len(v)), v])
+
+
+def _field_prefix(number: int, length: int) -> bytes:
+    """The key (field number, wire type 2) and varint length of a length-delimited field."""
+    out = bytearray()
+    for varint in (number << 3 | 2, length):
+        while varint >= 0x80:
+            out.append(varint & 0x7F | 0x80)
+            varint >>= 7
+        out.append(varint)
+    return bytes(out)
+
+
 class GrpcStreamSender(KVSender):
     def __init__(self, channel: grpc.Channel, request_id: str, dst_rank: int, *, timeout_s: float = 60.0) -> None:
         super().__init__()
         self.request_id, self.dst_rank, self.timeout_s = request_id, dst_rank, timeout_s
-        self._stub = internal_pb2_grpc.KVTransferStub(channel)
+        self._push = channel.stream_unary("/infermesh.v1.KVTransfer/Push", request_serializer=None,  # wire bytes
+                                          response_deserializer=internal_pb2.PushResponse.FromString)
         self._queue: queue.Queue = queue.Queue(maxsize=8)  # bounded: a slow receiver slows the sender
         self._call = None
 
@@ -52,15 +78,14 @@ class GrpcStreamSender(KVSender):
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._call is None:
-            self._call = self._stub.Push.future(self._requests(), timeout=self.timeout_s)
+            self._call = self._push.future(self._requests(), timeout=self.timeout_s)
         self._put(self._piece(internal_pb2.KVPiece(
             request_id=self.request_id, layer=layer, dst_rank=self.dst_rank, dst_slots=[slot for slot, _ in runs],
             run_tokens=[n for _, n in runs], dtype=WIRE_DTYPES[keys.dtype]), keys, values))
 
-    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> internal_pb2.KVPiece:
-        """The layer's message with its keys and values in it."""
-        piece.keys, piece.values = tensor_bytes(keys), tensor_bytes(values)
-        return piece
+    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+        """The layer's message, serialized, with its keys and values in it."""
+        return wire_message(piece, keys, values)
 
     def _finish(self, timeout_s: float) -> None:
         if self._call is None:

@@ -36,14 +36,14 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
         self.path = ""
         self._file = None
 
-    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> internal_pb2.KVPiece:
+    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
         if self._file is None:
             fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM_DIR)
             self._file = os.fdopen(fd, "wb", buffering=0)
         piece.shm_path, piece.shm_offset = self.path, self._file.tell()
         for tensor in (keys, values):
             self._file.write(tensor.contiguous().view(torch.uint8).cpu().numpy().data)
-        return piece
+        return piece.SerializeToString()
 
     def finish(self, timeout_s: float = 60.0):
         try:

@@ -170,6 +170,18 @@ def shm_files() -> set[str]:
     return {name for name in os.listdir(shared_memory.SHM_DIR) if name.startswith(shared_memory.PREFIX)}
 
 
+@pytest.mark.parametrize("tokens", [2048, 3, 0])
+def test_a_layer_message_written_by_hand_is_what_protobuf_writes_and_reads(tokens):
+    keys, values = torch.randn(tokens, 3, 64).bfloat16(), torch.randn(tokens, 3, 64).bfloat16()
+    piece = internal_pb2.KVPiece(request_id="req-1", layer=29, dst_rank=1, dst_slots=[32, 400],
+                                 run_tokens=[tokens, 0], dtype=internal_pb2.DTYPE_BFLOAT16)
+    by_hand = grpc_stream.wire_message(piece, keys, values)
+    piece.keys, piece.values = grpc_stream.tensor_bytes(keys), grpc_stream.tensor_bytes(values)
+    assert internal_pb2.KVPiece.FromString(by_hand) == piece
+    if tokens:  # protobuf leaves empty bytes fields out; the hand-written message has them, empty
+        assert by_hand == piece.SerializeToString()
+
+
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
 def test_shared_memory_refuses_a_file_that_is_not_its_own(pair, tmp_path):
     _, decode, channel, _, _ = pair
