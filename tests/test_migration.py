@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 
-import grpc
 import pytest
 
 from mesh import rpc
@@ -66,7 +65,8 @@ def chat(router, sampling: common_pb2.SamplingParams, kill_after: int | None = N
     reader.start()
     if kill_after is not None:
         assert arrived.wait(120)
-        serving = [i for i in router.registry.instances(Role.DECODE) if active_requests(i.address)]
+        serving = [i for i in router.registry.instances(Role.DECODE) if internal_pb2_grpc.AdminStub(
+            rpc.channel(i.address)).Status(internal_pb2.StatusRequest(), timeout=10).active_requests]
         (victim,) = serving
         (process,) = [p for p in decodes if p.pid == victim.pid]
         process.send_signal(signal.SIGKILL)
@@ -74,15 +74,6 @@ def chat(router, sampling: common_pb2.SamplingParams, kill_after: int | None = N
     reader.join(300)
     assert final, "the stream did not finish"
     return tokens, "".join(texts), final[0]
-
-
-def active_requests(address: str) -> int:
-    """0 for an instance that is gone: one killed by an earlier case keeps its record until its TTL runs out."""
-    try:
-        return internal_pb2_grpc.AdminStub(rpc.channel(address)).Status(internal_pb2.StatusRequest(),
-                                                                         timeout=10).active_requests
-    except grpc.RpcError:
-        return 0
 
 
 @pytest.mark.parametrize("sampling", [
@@ -99,6 +90,8 @@ def test_a_stream_whose_decode_instance_dies_continues_elsewhere_without_gap_or_
         expected_final.finish_reason, 60, expected_final.usage.prompt_tokens)
     assert len([p for p in decodes if p.poll() is None]) == len(alive) - 1  # one instance really died
     assert_exited([p.pid for p in decodes if p.poll() is not None])
+    # its record outlives it until its TTL: gone before the next case, which would otherwise be routed there
+    wait_until(lambda: len(router.registry.instances(Role.DECODE)) == len(alive) - 1, timeout_s=30)
 
 
 def test_migrations_are_counted_and_the_survivors_hold_no_blocks(mesh):
