@@ -2,8 +2,11 @@
 
     python bench/parallel_engine.py [--prompt-tokens 4096] [--batch 16] [--only cp|tp|ep] [--quick]
 
-- CP prefill: time to first token of one long prompt, CP=2 (pass-KV) vs CP=1;
-  parallel efficiency = T(CP=1) / (2 · T(CP=2)) (the paper: 93% on H100s).
+- CP prefill: time to first token of one long prompt at CP=1 (one thread, then
+  the whole machine), CP=2 and CP=4 (one thread per rank; CP=4 oversubscribes
+  two cores); parallel efficiency = T(CP=1, 1 thread) / (threads · T) (the paper:
+  93% on H100s); the prompt's KV each rank stores; and, with every rank's cache
+  capped below the prompt's KV, CP=1 refusing the prompt and CP=2 serving it.
 - TP decode: tokens/s at batch 16, TP=2 vs TP=1.
 - EP: dispatch + compute + combine time of one MoE layer (8 experts, top-2,
   D = I = 1024) over 2 ranks for 1, 16 and 256 tokens, next to one bare
@@ -26,10 +29,13 @@ import torch.multiprocessing as mp
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.block_manager import prefix_hashes  # noqa: E402
+from engine.kv_cache import bytes_per_block  # noqa: E402
 from engine.moe import SparseMoE  # noqa: E402
 from engine.parallel.context import ParallelConfig, connect  # noqa: E402
 from engine.parallel.ep import ExpertParallelMoE, all_to_all, expert_placement  # noqa: E402
 from engine.parallel.groups import rendezvous  # noqa: E402
+from engine.weights import load_checkpoint  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -38,22 +44,48 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def prompt_blocks_per_rank(llm: LLM, prompt: list[int]) -> list[int]:
+    """How many of the prompt's (cached, full) KV blocks each rank stores."""
+    blocks = llm.engine.blocks
+    ids = [blocks.cached[h] for h in prefix_hashes(prompt, blocks.block_size) if h in blocks.cached]
+    return [sum(1 for b in ids if b % blocks.pools == rank) for rank in range(blocks.pools)]
+
+
 def bench_cp(prompt_tokens: int) -> None:
     prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_tokens)]
     options = dict(dtype="bfloat16", max_num_batched_tokens=prompt_tokens)
+    block_mb = bytes_per_block(load_checkpoint("smollm2-135m").config, 16, torch.bfloat16) / 1e6
+    rows, one = [], None
+    for cp, threads in ((1, 1), (1, 2), (2, 1), (4, 1)):
+        torch.set_num_threads(threads)
+        with LLM("smollm2-135m", cp=cp, **options) as llm:
+            ttft(llm, [7] * 256)
+            seconds = min(ttft(llm, p) for p in (prompt, prompt[::-1]))
+            per_rank = prompt_blocks_per_rank(llm, prompt)
+            methods = ", ".join(sorted(m.value for m in llm.engine.executor.runner.choices)) if cp > 1 else ""
+        one = one or seconds
+        kv = " / ".join(f"{n * block_mb:.1f}" for n in per_rank)
+        label = f"CP={cp} ({methods})" if methods else f"CP={cp}"
+        rows.append(f"| {label} | {threads} | {seconds:.2f} | {prompt_tokens / seconds:.0f} "
+                    f"| {one / (cp * threads * seconds):.0%} | {kv} |")
     torch.set_num_threads(1)
-    single = LLM("smollm2-135m", **options)
-    ttft(single, [7] * 256)
-    one = min(ttft(single, p) for p in (prompt, prompt[::-1]))
-    del single
-    with LLM("smollm2-135m", cp=2, **options) as llm:
-        ttft(llm, [7] * 256)
-        two = min(ttft(llm, p) for p in (prompt, prompt[::-1]))
-        methods = {m.value: n for m, n in llm.engine.executor.runner.choices.items()}
-    print(f"### CP prefill, SmolLM2 bf16, {prompt_tokens} tokens, 1 thread per rank\n")
-    print("| layout | TTFT s | prefill tok/s | efficiency |\n|---|---|---|---|")
-    print(f"| CP=1 | {one:.2f} | {prompt_tokens / one:.0f} | — |")
-    print(f"| CP=2 ({', '.join(methods)}) | {two:.2f} | {prompt_tokens / two:.0f} | {one / (2 * two):.0%} |\n")
+    cap = int(0.6 * prompt_tokens / 16)  # blocks per rank: 60 % of the prompt's KV
+    capped = {}
+    for cp in (1, 2):
+        with LLM("smollm2-135m", cp=cp, num_kv_blocks=cap, **options) as llm:
+            try:
+                capped[cp] = f"served, TTFT {ttft(llm, prompt):.2f} s, prompt KV per rank " + " / ".join(
+                    f"{n * block_mb:.1f}" for n in prompt_blocks_per_rank(llm, prompt)) + " MB"
+            except ValueError as e:
+                capped[cp] = f"refused: {e}"
+    print(f"### CP prefill, SmolLM2 bf16, {prompt_tokens} tokens, on this machine's 2 cores\n")
+    print("| layout | threads per rank | TTFT s | prefill tok/s | efficiency vs CP=1 x 1 thread "
+          "| the prompt's KV per rank, MB |\n|---|---|---|---|---|---|")
+    print("\n".join(rows) + "\n")
+    print(f"Each rank's cache capped at {cap} blocks ({cap * block_mb:.0f} MB, 60 % of the prompt's KV):\n")
+    for cp, outcome in capped.items():
+        print(f"- CP={cp}: {outcome}")
+    print()
 
 
 def decode_rate(llm: LLM, batch: int, steps: int) -> float:

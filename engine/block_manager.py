@@ -11,6 +11,15 @@ contents and hash until reused: allocation takes the least recently freed block
 first (LRU eviction), so recently used prefixes survive longest.
 
 Hashes are stable across processes (blake2b), so the registry can publish them.
+
+Pools: the blocks of a context-parallel instance of N ranks come in N pools, block
+g in pool g % N (the rank that stores it, `engine.kv_cache.KVStripe`). Where the
+new blocks of one `grow` go is `place_blocks`: a run of at least 2N blocks (a
+prompt) is laid out zigzag over the pools, so every rank computes an early and a
+late part of it and causal attention is balanced; fewer blocks (a decode step, a
+short prompt) go to the pools with the most free blocks, so memory stays
+balanced. A pool that is full sends its share to the others; allocation fails
+only when all of them together are short.
 """
 
 from __future__ import annotations
@@ -36,23 +45,48 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+def place_blocks(num_new: int, free: Sequence[int]) -> list[int] | None:
+    """The pool of each of `num_new` new blocks of one sequence, given each pool's free blocks; None if short."""
+    pools = len(free)
+    if num_new > sum(free):
+        return None
+    if pools > 1 and num_new >= 2 * pools:  # zigzag: 2N groups, group j to pool min(j, 2N-1-j)
+        group = -(-num_new // (2 * pools))
+        wanted: list[int | None] = [min(j, 2 * pools - 1 - j) for j in (i // group for i in range(num_new))]
+    else:
+        wanted = [None] * num_new
+    left, placed = list(free), []
+    for pool in wanted:
+        if pool is None or left[pool] == 0:
+            pool = max(range(pools), key=left.__getitem__)  # the most free; ties: the lowest
+        left[pool] -= 1
+        placed.append(pool)
+    return placed
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, pools: int = 1) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks} and {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if pools < 1 or num_blocks % pools:
+            raise ValueError(f"num_blocks={num_blocks} must be a multiple of pools={pools}")
+        self.num_blocks, self.block_size, self.pools = num_blocks, block_size, pools
         self.ref_counts = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.free_lru: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.free_lru: list[OrderedDict[int, None]] = [  # per pool, least recently freed first
+            OrderedDict((b, None) for b in range(pool, num_blocks, pools)) for pool in range(pools)]
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_lru)
+        return sum(len(free) for free in self.free_lru)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_lru)
+        return self.num_blocks - self.num_free_blocks
+
+    def used_blocks_per_pool(self) -> list[int]:
+        return [self.num_blocks // self.pools - len(free) for free in self.free_lru]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -99,10 +133,11 @@ class BlockManager:
         needed = self.blocks_for(num_tokens) - len(block_table)
         if needed <= 0:
             return True
-        if needed > len(self.free_lru):
+        placed = place_blocks(needed, [len(free) for free in self.free_lru])
+        if placed is None:
             return False
-        for _ in range(needed):
-            block, _ = self.free_lru.popitem(last=False)  # least recently freed
+        for pool in placed:
+            block, _ = self.free_lru[pool].popitem(last=False)  # least recently freed
             self._evict(block)
             self.ref_counts[block] = 1
             block_table.append(block)
@@ -115,12 +150,12 @@ class BlockManager:
             if self.ref_counts[block] < 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
             if self.ref_counts[block] == 0:
-                self.free_lru[block] = None
+                self.free_lru[block % self.pools][block] = None
         block_table.clear()
 
     def _acquire(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self.free_lru[block]
+            del self.free_lru[block % self.pools][block]
         self.ref_counts[block] += 1
 
     def _evict(self, block: int) -> None:

@@ -44,8 +44,8 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
-    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30  # per rank: a context-parallel instance of N ranks holds N times this
+    num_kv_blocks: int | None = None  # per rank; overrides kv_cache_bytes
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context
@@ -106,7 +106,8 @@ class EngineCore:
         else:
             self.executor = ParallelExecutor(checkpoint, parallel, follower_hook=follower_hook, rendezvous=rendezvous,
                                              **layout)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        num_blocks *= parallel.cp  # each CP rank holds its stripe of the instance's blocks (engine.kv_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size, pools=parallel.cp)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
             self.blocks,
@@ -251,7 +252,7 @@ class EngineCore:
         """The sampling chunks and their logits [len(sampling), V], row for row."""
         plan, ordered = plan_step(chunks, self.config.block_size, self.handoff.take_ended(),
                                   frozenset(self.handoff.sinks))
-        logits = self.executor.execute(plan, self.handoff.pusher(plan, self.kv_cache, self.executor.stored_slots))
+        logits = self.executor.execute(plan, self.handoff.pusher(plan, self.kv_cache, self.executor.kv_stripe))
         choices = self.executor.last_choices
         self.last_cp_choices = {c.seq.request_id: choice for c, choice in zip(
             (c for c in ordered if c.num_tokens > 1), choices)}

@@ -19,6 +19,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.errors import KVCacheFull
+from engine.kv_cache import KVStripe
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_plan import StepPlan
@@ -32,8 +33,8 @@ class KVSink(Protocol):
     the other ranks push theirs from their follower hook, driven by `StepPlan.pushes`."""
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
-                   stored: torch.Tensor | None) -> None:
-        """`stored`: this rank's slot mask [slots] (a context-parallel rank stores some tokens), None = all."""
+                   stripe: KVStripe) -> None:
+        """`block_table`: the instance's block ids; `stripe`: which of them this rank's cache holds, and where."""
 
 
 class KVHandoff:
@@ -70,7 +71,7 @@ class KVHandoff:
         ended, self._ended = tuple(self._ended), []
         return ended
 
-    def pusher(self, plan: StepPlan, kv_cache, stored: torch.Tensor | None) -> Callable[[int], None] | None:
+    def pusher(self, plan: StepPlan, kv_cache, stripe: KVStripe) -> Callable[[int], None] | None:
         """The `on_layer` hook that feeds this step's sinks, or None when it pushes nothing."""
         pushing = [(self.sinks[rid], plan.chunks[i].block_table) for i, rid in plan.pushes]
         if not pushing:
@@ -78,6 +79,6 @@ class KVHandoff:
 
         def on_layer(layer: int) -> None:  # the layer's KV of these prompts is final: push it
             for sink, table in pushing:
-                sink.push_layer(layer, *kv_cache[layer], table, stored)
+                sink.push_layer(layer, *kv_cache[layer], table, stripe)
 
         return on_layer

@@ -2,15 +2,35 @@
 
 Which blocks a sequence owns is the block manager's business (pure Python); this
 module only sizes and allocates the tensors. Block ids index the first dimension.
+
+A context-parallel instance of N ranks deals N times one rank's blocks: global
+block g lives on rank g % N, as that rank's block g // N (`KVStripe`). So each
+rank allocates only its share and the instance holds N times one rank's KV.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class KVStripe:
+    """The global blocks one rank stores: g with g % size == rank, as its local block g // size."""
+
+    rank: int = 0
+    size: int = 1
+
+    def stores(self, block: int) -> bool:
+        return block % self.size == self.rank
+
+    def local(self, block: int) -> int:
+        return block // self.size
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:

@@ -13,13 +13,13 @@ from typing import Callable
 import torch
 
 from engine.attention import build_metadata
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVStripe
 from engine.model import Transformer
 from engine.step_plan import StepPlan
 
 
 class ModelRunner:
-    stored_slots: torch.Tensor | None = None  # slot mask of the tokens this rank stores; None = every slot
+    kv_stripe = KVStripe()  # which of the instance's blocks this rank's cache holds: all of them
 
     def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device

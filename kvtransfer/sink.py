@@ -3,9 +3,9 @@ hand the pieces to senders (one per decode rank).
 
 `PlanSink` is what a prefill instance passes to `EngineCore.add_request(kv_sink=...)`
 (and what each other rank of a context-parallel instance builds for itself). On
-the first layer it learns the prompt's blocks and which of its tokens this rank
-stores, and plans this rank's pieces to the decode layout: the ranks' stored
-tokens partition the prompt, so their plans together cover it exactly once.
+the first layer it learns the prompt's blocks and which of them this rank stores
+(its `KVStripe`), and plans this rank's pieces to the decode layout: the ranks'
+stripes partition the prompt, so their plans together cover it exactly once.
 Every layer it copies each destination rank's pieces out of the cache at once
 (one gather of their rows and the rank's head range) and sends them; `finish`
 waits for every destination's acknowledgement. It never raises into the engine
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache import KVStripe
+from engine.parallel.cp_shard import stripe_runs
 from kvtransfer.plan import DecodeLayout, Piece, PrefillLayout, plan
 from kvtransfer.transport import KVSender, TransferError, TransferStats, run_rows
 
@@ -31,14 +33,15 @@ class PlanSink:
         self.error: TransferError | None = None  # the plan could not be made: nothing is sent
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
-                   stored: torch.Tensor | None = None) -> None:
+                   stripe: KVStripe) -> None:
         if self.pieces is None:
             for sender in self.senders:
                 sender.open()
             table = tuple(block_table[: -(-self.num_tokens // self.block_size)])
-            try:
-                source = PrefillLayout(token_ranges=(self._stored_runs(table, stored),),
-                                       num_kv_heads=self.num_kv_heads, block_size=self.block_size, block_table=table)
+            runs = stripe_runs(table, 0, self.num_tokens, self.block_size, stripe.size)[stripe.rank]
+            try:  # this rank's tokens, addressed in its own cache (a foreign block's local id is never read)
+                source = PrefillLayout(token_ranges=(tuple(runs),), num_kv_heads=self.num_kv_heads,
+                                       block_size=self.block_size, block_table=tuple(map(stripe.local, table)))
                 self.pieces = plan(source, self.target)
             except ValueError as e:
                 self.pieces, self.error = (), TransferError(f"no transfer plan: {e}")
@@ -54,22 +57,6 @@ class PlanSink:
                 sender.flush()
             except TransferError:
                 pass  # the sender is FAILED now; finish() raises it
-
-    def _stored_runs(self, table: tuple[int, ...], stored: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
-        """[start, end) runs of the prompt's positions whose KV this rank stores."""
-        if stored is None:
-            return ((0, self.num_tokens),)
-        positions = torch.arange(self.num_tokens)
-        mine = stored[torch.tensor(table)[positions // self.block_size] * self.block_size
-                      + positions % self.block_size].tolist()  # [num_tokens] bool
-        runs, start = [], None
-        for p, held in enumerate(mine + [False]):
-            if held and start is None:
-                start = p
-            elif not held and start is not None:
-                runs.append((start, p))
-                start = None
-        return tuple(runs)
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""

@@ -129,7 +129,7 @@ def push_kv(rank: int, store, runner, host: str, *, trace_spec: str = "none"):
 
         def on_layer(layer: int) -> None:
             for _, _, sink, table, _ in pushes:
-                sink.push_layer(layer, *runner.kv_cache[layer], table, runner.stored_slots)
+                sink.push_layer(layer, *runner.kv_cache[layer], table, runner.kv_stripe)
             if layer == last_layer:  # wait for the acknowledgements without holding up the group
                 for request_id, spec, sink, _, span in pushes:
                     threading.Thread(target=_report, args=(store, request_id, rank, sink, spec.timeout_s, span),

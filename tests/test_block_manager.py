@@ -91,8 +91,9 @@ def test_freeing_twice_is_an_error():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5),
                           st.lists(st.integers(0, 3), min_size=1, max_size=20)), max_size=60))
-def test_no_blocks_leak_after_any_sequence_of_requests(ops):
-    bm = BlockManager(num_blocks=12, block_size=3)
+@pytest.mark.parametrize("pools", [1, 3])
+def test_no_blocks_leak_after_any_sequence_of_requests(pools, ops):
+    bm = BlockManager(num_blocks=12, block_size=3, pools=pools)
     live: dict[int, tuple[list[int], list[int], list[int]]] = {}  # slot -> (table, chain, tokens)
     for op, slot, tokens in ops:
         if op == "add" and slot not in live:
@@ -112,6 +113,25 @@ def test_no_blocks_leak_after_any_sequence_of_requests(ops):
         used = sum(len(t) for t, _, _ in live.values())
         assert sum(bm.ref_counts) == used
         assert bm.num_free_blocks == sum(1 for r in bm.ref_counts if r == 0)
+        assert bm.used_blocks_per_pool() == [sum(1 for b, r in enumerate(bm.ref_counts) if r and b % pools == p)
+                                             for p in range(pools)]
     for table, _, _ in live.values():
         bm.free(table)
     assert bm.num_free_blocks == 12 and not any(bm.ref_counts)
+
+
+def test_pools_deal_global_ids_by_pool_and_refuse_only_when_all_are_short():
+    bm = BlockManager(num_blocks=8, block_size=4, pools=2)  # pool 0: blocks 0 2 4 6, pool 1: 1 3 5 7
+    first: list[int] = []
+    assert bm.grow(first, 4 * 4)  # four blocks: zigzag over the two pools
+    assert [b % 2 for b in first] == [0, 1, 1, 0] and bm.used_blocks_per_pool() == [2, 2]
+    second: list[int] = []
+    assert not bm.grow(second, 5 * 4) and second == [] and bm.num_free_blocks == 4
+    assert bm.grow(second, 4 * 4) and sorted(first + second) == list(range(8))
+    bm.free(first)
+    assert bm.used_blocks_per_pool() == [2, 2]
+
+
+def test_pool_count_must_divide_the_blocks():
+    with pytest.raises(ValueError, match="num_blocks=9 must be a multiple of pools=2"):
+        BlockManager(num_blocks=9, block_size=4, pools=2)

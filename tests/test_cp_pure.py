@@ -1,4 +1,4 @@
-"""Context parallelism's pure parts: sharding, the LSE merge, the pass-KV/pass-Q choice."""
+"""Context parallelism's pure parts: block layout and runs, the LSE merge, the pass-KV/pass-Q choice."""
 
 from __future__ import annotations
 
@@ -8,36 +8,65 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.block_manager import BlockManager, place_blocks
+from engine.kv_cache import KVStripe
 from engine.parallel.cp_choice import CPMethod, choose_cp_method
 from engine.parallel.cp_merge import merge_partials, partial_attention
-from engine.parallel.cp_shard import shard_tokens
+from engine.parallel.cp_shard import stored_positions, stripe_runs
 
 
-@given(st.integers(1, 3000), st.integers(1, 8))
-def test_shards_cover_every_token_exactly_once(num_tokens, cp_size):
-    shards = shard_tokens(num_tokens, cp_size)
-    positions = sorted(p for s in shards for p in s.positions())
-    assert positions == list(range(num_tokens))
-    assert all(s.num_tokens <= s.padded_len for s in shards)
-    assert len({s.padded_len for s in shards}) == 1
+def laid_out(num_tokens: int, cp_size: int, block_size: int = 16, cached: int = 0) -> list[int]:
+    """The block table the block manager deals a sequence of `num_tokens` over `cp_size` empty pools."""
+    blocks = BlockManager(num_blocks=cp_size * -(-num_tokens // block_size), block_size=block_size, pools=cp_size)
+    table: list[int] = []
+    assert blocks.grow(table, cached) and blocks.grow(table, num_tokens)
+    return table
 
 
-def test_rank_i_holds_chunks_i_and_2n_minus_1_minus_i():
-    shards = shard_tokens(16, 2)  # chunks of 4: [0,4) [4,8) [8,12) [12,16)
-    assert shards[0].ranges == ((0, 4), (12, 16))
-    assert shards[1].ranges == ((4, 8), (8, 12))
+@given(st.integers(1, 3000), st.integers(0, 700), st.integers(1, 8), st.sampled_from([1, 4, 16]))
+def test_runs_cover_every_new_token_once_and_follow_the_blocks(num_tokens, cached, cp_size, block_size):
+    cached = min(cached, num_tokens - 1)
+    table = laid_out(num_tokens, cp_size, block_size, cached)
+    runs = stripe_runs(table, cached, num_tokens, block_size, cp_size)
+    assert sorted(p for rank in runs for start, end in rank for p in range(start, end)) == list(range(cached,
+                                                                                                         num_tokens))
+    for rank, mine in enumerate(runs):
+        assert all(a[1] < b[0] for a, b in zip(mine, mine[1:]))  # in order, and merged where they touch
+        assert all(table[p // block_size] % cp_size == rank for start, end in mine for p in range(start, end))
+        stripe = KVStripe(rank, cp_size)
+        assert stored_positions(table, cached, block_size, stripe) == sum(
+            1 for p in range(cached) if stripe.stores(table[p // block_size]))
 
 
-def test_prompts_shorter_than_2n_chunks_leave_some_ranks_empty_but_valid():
-    shards = shard_tokens(3, 4)
-    assert [s.num_tokens for s in shards] == [1, 1, 1, 0]
-    assert sorted(p for s in shards for p in s.positions()) == [0, 1, 2]
+def test_a_prompt_is_laid_out_zigzag_over_the_ranks():
+    table = laid_out(16 * 16, 2)  # 16 blocks in 4 groups of 4: ranks 0, 1, 1, 0
+    assert [b % 2 for b in table] == [0] * 4 + [1] * 8 + [0] * 4
+    assert stripe_runs(table, 0, 256, 16, 2) == [[(0, 64), (192, 256)], [(64, 192)]]
+
+
+def test_a_chunk_starting_inside_a_block_leaves_its_rest_to_that_blocks_rank():
+    table = [1, 0, 3, 2]  # ranks 1, 0, 1, 0
+    assert stripe_runs(table, 10, 50, 16, 2) == [[(16, 32), (48, 50)], [(10, 16), (32, 48)]]
 
 
 def test_causal_work_is_balanced():
-    shards = shard_tokens(4096, 4)
-    work = [sum(p + 1 for p in s.positions()) for s in shards]  # keys each query attends to
-    assert max(work) / min(work) < 1.01
+    table = laid_out(4096, 4)
+    runs = stripe_runs(table, 0, 4096, 16, 4)
+    work = [sum(p + 1 for start, end in mine for p in range(start, end)) for mine in runs]  # keys each query sees
+    assert max(work) / min(work) < 1.03
+
+
+def test_few_blocks_go_to_the_pools_with_the_most_free_blocks():
+    assert place_blocks(3, [5, 5]) == [0, 1, 0]
+    assert place_blocks(1, [2, 7, 7]) == [1]
+    assert place_blocks(5, [9, 9, 9]) == [0, 1, 2, 0, 1]  # under 2N blocks: no zigzag
+
+
+def test_a_full_pool_sends_its_share_to_the_others_and_only_all_together_can_be_short():
+    assert place_blocks(8, [1, 10]) == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert place_blocks(8, [4, 4]) == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert place_blocks(9, [4, 4]) is None
+    assert place_blocks(4, [0, 0, 4]) == [2, 2, 2, 2]
 
 
 def reference_attention(q, k, v, scale):
@@ -101,17 +130,16 @@ def test_counting_the_all_to_all_lowers_the_miss_rate_bound():
     assert refined.method is CPMethod.PASS_KV and "0.0625" in refined.reason
 
 
-def test_segments_name_each_ranks_chunks_in_block_order():
+def test_segments_name_each_ranks_runs_in_block_order():
     from engine.parallel.cp_shard import Segment, kv_segments, query_segments
 
-    shards = shard_tokens(10, 2)  # chunks of 3: [0,3) [3,6) [6,9) [9,10)
-    assert query_segments(shards[0]) == (Segment(0, 0, 3), Segment(3, 3, 4))
-    assert query_segments(shards[1]) == (Segment(1, 0, 3), Segment(2, 3, 6))
-    assert kv_segments(5, query_segments(shards[0])) == (Segment(None, 0, 5), Segment(0, 5, 8), Segment(3, 8, 9))
-    assert query_segments(shard_tokens(3, 4)[3]) == ()  # a rank with no new tokens
+    assert query_segments([(0, 3), (9, 10)]) == (Segment(0, 0, 3), Segment(9, 3, 4))
+    assert kv_segments(5, query_segments([(0, 3), (9, 10)])) == (Segment(None, 0, 5), Segment(0, 5, 8),
+                                                                  Segment(9, 8, 9))
+    assert query_segments([]) == ()  # a rank with no new tokens
 
 
-def test_a_query_chunk_sees_earlier_chunks_whole_its_own_causally_and_later_ones_not():
+def test_a_query_run_sees_earlier_runs_whole_its_own_causally_and_later_ones_not():
     from engine.parallel.cp_shard import Visibility, sees
 
     whole, causal = Visibility.WHOLE, Visibility.CAUSAL

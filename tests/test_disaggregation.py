@@ -25,7 +25,7 @@ class CopyIntoReservedBlocks:
         self.decode, self.request_id, self.block_size = decode, request_id, block_size
         self.layers_pushed = []
 
-    def push_layer(self, layer, k_cache, v_cache, block_table, stored):  # one rank: stores every slot
+    def push_layer(self, layer, k_cache, v_cache, block_table, stripe):  # one rank: stores every block
         dst_table = self.decode._sequences[self.request_id].block_table
         bs = self.block_size
         first = self.decode._sequences[self.request_id].num_cached_prompt_tokens

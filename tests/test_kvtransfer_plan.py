@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.parallel.cp_shard import shard_tokens
+from engine.parallel.cp_shard import stripe_runs
 from engine.parallel.tp import head_shard
 from kvtransfer.plan import DecodeLayout, PrefillLayout, plan
 from tests.test_parallel_runtime import tiny_config
@@ -16,9 +16,9 @@ from tests.test_parallel_runtime import tiny_config
 def layouts(num_tokens, cp, tp, heads, kv_heads, src_block, dst_block, first_token, seed):
     g = torch.Generator().manual_seed(seed)
     src_blocks, dst_blocks = -(-num_tokens // src_block), -(-num_tokens // dst_block)
-    src = PrefillLayout(token_ranges=tuple(s.ranges for s in shard_tokens(num_tokens, cp)), num_kv_heads=kv_heads,
-                        block_size=src_block,
-                        block_table=tuple(torch.randperm(src_blocks + 3, generator=g)[:src_blocks].tolist()))
+    table = tuple(torch.randperm(src_blocks + 3, generator=g)[:src_blocks].tolist())
+    src = PrefillLayout(token_ranges=tuple(map(tuple, stripe_runs(table, 0, num_tokens, src_block, cp))),
+                        num_kv_heads=kv_heads, block_size=src_block, block_table=table)
     cfg = tiny_config(num_heads=heads, num_kv_heads=kv_heads)
     dst = DecodeLayout(head_ranges=tuple(head_shard(cfg, tp, r).kv_heads for r in range(tp)), block_size=dst_block,
                        block_table=tuple(torch.randperm(dst_blocks + 2, generator=g)[:dst_blocks].tolist()),

@@ -248,7 +248,7 @@ def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
 
 
 def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
-    from engine.parallel.cp_shard import shard_tokens
+    from engine.parallel.cp_shard import stripe_runs
     from engine.parallel.groups import rendezvous, stateless_group
     from kvtransfer.plan import PrefillLayout, plan
     from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
@@ -258,8 +258,9 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
     group = stateless_group(rendezvous("127.0.0.1", port, rank, world), "pair", rank, world)
     layers, tokens, heads, head_dim = 2, 45, 3, 8
     truth = torch.randn(layers, 2, tokens, heads, head_dim, generator=torch.Generator().manual_seed(0)).bfloat16()
-    src = PrefillLayout(token_ranges=tuple(s.ranges for s in shard_tokens(tokens, cp)), num_kv_heads=heads,
-                        block_size=4, block_table=tuple(range(20, 32)))
+    table = tuple(range(20, 32))
+    src = PrefillLayout(token_ranges=tuple(map(tuple, stripe_runs(table, 0, tokens, 4, cp))), num_kv_heads=heads,
+                        block_size=4, block_table=table)
     dst = DecodeLayout(head_ranges=((0, 2), (1, 3))[:tp] if tp == 2 else ((0, 3),), block_size=16,
                        block_table=(7, 2, 5))
     if rank < cp:  # a prefill rank: its tokens only, in its own blocks

@@ -121,3 +121,26 @@ def test_smollm2_parallel_equals_single_rank_on_a_2000_token_prompt(layout, smol
     torch.testing.assert_close(torch.stack(captured[got.request_id]), torch.stack(reference[expected.request_id]),
                                atol=2e-4, rtol=0)  # measured: under 2.3e-5 for both layouts
     assert short.token_ids == smollm2_llm.generate(["The capital of France is"], params)[0].token_ids
+
+
+def test_cp_holds_a_prompt_that_one_ranks_cache_cannot(tiny_checkpoint):
+    """Each CP rank stores only its blocks: two ranks of 8 blocks serve a prompt of 13 blocks."""
+    folder, _ = tiny_checkpoint("llama")
+    prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    one_rank = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="prompt has 100 tokens; max_model_len is 64"):
+        one_rank.generate([prompt], GREEDY)
+    reference = LLM(str(folder), dtype="float32", block_size=8)
+    expected_logits = capture_logits(reference)
+    (expected,) = reference.generate([prompt], GREEDY)
+    with LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=8, cp=2) as llm:
+        captured = capture_logits(llm)
+        (got,) = llm.generate([prompt], GREEDY)
+        assert llm.engine.executor.kv_cache[0][0].shape[0] == 8  # rank 0 allocated its 8 blocks, no more
+        blocks = llm.engine.blocks
+        cached = [sum(1 for b, h in enumerate(blocks.hash_of) if h is not None and b % 2 == rank) for rank in (0, 1)]
+    assert got.token_ids == expected.token_ids
+    torch.testing.assert_close(torch.stack(captured[got.request_id]), torch.stack(expected_logits[expected.request_id]),
+                               atol=1e-4, rtol=0)
+    assert blocks.num_blocks == 16 and sum(cached) == 13  # the full blocks of the prompt and answer,
+    assert all(0 < n <= 8 for n in cached)  # spread over both ranks

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
+from engine.kv_cache import KVStripe
 from engine.moe import SparseMoE
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
 from engine.parallel.ep import ExpertParallelMoE, all_to_all, expert_placement
@@ -167,18 +168,18 @@ def cp_kv_worker(rank: int, world: int, port: int, folder: str, method: str) -> 
         expected, got = single.execute(plan), cp.execute(plan)
         if rank == 0:  # the rank that samples
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)  # [global block, offset]
     for plan in steps:
         for c in plan.chunks:
-            slots = [c.block_table[p // block_size] * block_size + p % block_size for p in range(c.start, c.end)]
-            written[slots] = True
-    owners = cp.owned.to(torch.int32)
-    cp.group.allreduce([owners]).wait()
-    assert torch.equal(owners.bool(), written) and int(owners.max()) == 1  # every token stored by exactly one rank
+            for p in range(c.start, c.end):
+                written[c.block_table[p // block_size], p % block_size] = True
+    assert cp.kv_stripe == KVStripe(rank, world)
+    mine = [g for g in range(num_blocks) if g % world == rank and written[g].any()]  # written blocks of its stripe
+    assert mine
     for (k1, v1), (kc, vc) in zip(single.kv_cache, cp.kv_cache):
-        mine = cp.owned.view(num_blocks, block_size)
-        torch.testing.assert_close(kc[mine], k1[mine], atol=1e-5, rtol=0)
-        torch.testing.assert_close(vc[mine], v1[mine], atol=1e-5, rtol=0)
+        for g in mine:  # global block g is this rank's block g // world
+            torch.testing.assert_close(kc[g // world][written[g]], k1[g][written[g]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(vc[g // world][written[g]], v1[g][written[g]], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("world,method", [(2, "pass_kv"), (3, "pass_q"), (2, "auto")])

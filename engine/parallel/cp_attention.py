@@ -1,11 +1,10 @@
 """Context-parallel attention over the paged KV cache: pass-KV and pass-Q ring attention, CP decode.
 
-Every CP rank holds a cache of the full size, indexed by the same block tables,
-but fills only the slots of the tokens it owns (`CPAttentionMetadata.write_*`);
-the other slots stay unread on that rank. So a sequence's KV is spread over the
-ranks: prefill tokens live where the load-balanced sharding put them, decode
-tokens round-robin by position. A rank attends only over the slots it owns
-(`owned` masks) and partial results merge exactly by log-sum-exp:
+Every CP rank holds only its stripe of the instance's blocks (`KVStripe`: global
+block g as local block g // N on rank g % N), so a sequence's KV is spread over
+the ranks block by block, and every slot in this metadata is a local one. A rank
+attends only over the blocks it holds and partial results merge exactly by
+log-sum-exp:
 
 - decode rows are replicated on every rank: each attends over its own slots, an
   all-gather brings every (O, LSE) and each rank merges them (pass-Q decode);
@@ -15,11 +14,11 @@ tokens round-robin by position. A rank attends only over the slots it owns
   the queries travel the ring instead, each rank attends the visiting queries to
   its own KV, and an all-to-all returns every partial (O, LSE) to the query's owner.
 
-Prefill needs no masks: every block is laid out by chunk of the 2N-chunk order
-(`Segment`s, computed once per step), and a query chunk attends a key chunk
-whole when it comes earlier (or is the cached prefix), causally when it is the
-same chunk, and not at all when it comes later — so each rank does exactly its
-balanced share of the causal work. Decode rows use the ownership mask.
+Prefill needs no masks: every block is laid out by runs of consecutive positions
+(`Segment`s, computed once per step), and a query run attends a key run whole
+when it comes earlier (or is the cached prefix), causally when it is the same
+run, and not at all when it comes later — so each rank does exactly its share of
+the causal work. Decode rows mask the unfilled tail of their blocks.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ class CPSpan:
     """One prefill chunk, as this rank sees it."""
 
     rows: slice  # this rank's new tokens in the flat batch (possibly empty)
-    cached_slots: torch.Tensor  # [c] cache slots of the cached prefix this rank owns
+    cached_slots: torch.Tensor  # [c] local slots of the cached prefix this rank holds
     choice: CPChoice
-    query_layouts: tuple[tuple[Segment, ...], ...]  # per rank: its new tokens by chunk
+    query_layouts: tuple[tuple[Segment, ...], ...]  # per rank: its new tokens by run
     kv_layouts: tuple[tuple[Segment, ...], ...]  # per rank: its KV block (cached prefix, then new tokens)
     kv_len: int  # every rank's KV block padded to this (pass-KV)
     q_len: int  # every rank's query block padded to this (pass-Q)
@@ -51,16 +50,16 @@ class CPSpan:
 class CPAttentionMetadata:
     group: object  # the CP process group
     write_rows: torch.Tensor  # [w] rows of the flat batch whose K/V this rank stores
-    write_slots: torch.Tensor  # [w]
+    write_slots: torch.Tensor  # [w] local slots
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: in context and owned here
+    decode_block_tables: torch.Tensor | None  # [B, W] the local blocks of each decode row held here, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, W * block_size] bool: a token in context
     spans: tuple[CPSpan, ...]
 
 
 def context_parallel_attention(q, k, v, k_cache, v_cache, meta: CPAttentionMetadata, scale: float,
                                kv_head_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `paged_attention`: store owned K/V, attend; returns [T_local, Hq, D]."""
+    """Same contract as `paged_attention`: store this rank's K/V, attend; returns [T_local, Hq, D]."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     flat_k.index_copy_(0, meta.write_slots, k[meta.write_rows])
@@ -109,15 +108,15 @@ def _ring_peers(group) -> tuple[int, int]:
 
 def _attend_block(q: torch.Tensor, queries: tuple[Segment, ...], k: torch.Tensor, v: torch.Tensor,
                   keys: tuple[Segment, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Tq, Hq, D] against k/v [Tk, Hq, D] chunk by chunk: a key chunk before the query chunk is attended
-    whole, the same chunk causally, a later one not at all (no masks: the 2N-chunk layout says it all).
+    """q [Tq, Hq, D] against k/v [Tk, Hq, D] run by run: a key run before the query run is attended
+    whole, the same run causally, a later one not at all (no masks: the runs' positions say it all).
     -> (O [Tq, Hq, D], LSE [Tq, Hq]) float32; rows outside `queries` get LSE -inf."""
     out = q.new_zeros(q.shape, dtype=torch.float32)
     lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
     k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hq, Tk, D]
     for qs in queries:
         q4 = q[qs.start:qs.end].transpose(0, 1)[None]  # [1, Hq, n, D]
-        visible = [(ks, how) for ks in keys if (how := sees(qs.chunk, ks.chunk))]
+        visible = [(ks, how) for ks in keys if (how := sees(qs.run, ks.run))]
         whole = [ks for ks, how in visible if how is Visibility.WHOLE]
         parts = []
         if whole:  # the segments attended whole are contiguous in the block: one call

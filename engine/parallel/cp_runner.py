@@ -2,10 +2,11 @@
 
 It runs the same `StepPlan` as every other rank but builds its own flat batch:
 all decode rows (replicated: each rank merges the partial attention of all) and,
-of each prefill chunk, only its load-balanced shard (`shard_tokens`). It decides
-who stores each new token's KV (prefill: the shard's rank; decode: position mod
-N), keeps which cache slots it owns, and builds the `CPAttentionMetadata` the
-ring attention needs, once per step. Pass-KV or pass-Q is chosen per prefill
+of each prefill chunk, only the tokens it stores. Its cache holds only its share
+of the instance's blocks (`KVStripe`: global block g on rank g % N, as local block
+g // N), so which rank stores, computes and attends over a token follows from its
+block id alone: no ownership state, no collective to agree on it. It builds the
+`CPAttentionMetadata` the ring attention needs, once per step, in local slots. Pass-KV or pass-Q is chosen per prefill
 chunk (`ParallelConfig.cp_method`, "auto" = the paper's heuristic) and recorded
 in `choices`. The sampled rows are summed over the group (only their owner
 contributes), and rank 0 computes the logits.
@@ -18,12 +19,12 @@ from typing import Callable
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVStripe
 from engine.model import Transformer
 from engine.parallel.context import ParallelContext
 from engine.parallel.cp_attention import CPAttentionMetadata, CPSpan, context_parallel_attention
 from engine.parallel.cp_choice import CPChoice, CPMethod, choose_cp_method
-from engine.parallel.cp_shard import kv_segments, query_segments, shard_tokens
+from engine.parallel.cp_shard import Run, kv_segments, query_segments, stored_positions, stripe_runs
 from engine.runner import ModelRunner, after_each_layer
 from engine.step_plan import ChunkPlan, StepPlan
 
@@ -34,57 +35,51 @@ class ContextParallelRunner(ModelRunner):
         super().__init__(model, kv_cache, block_size, device)
         self.group, self.rank, self.cp_size = ctx.cp_group, ctx.cp_rank, ctx.config.cp
         self.parallel = ctx.config
-        self.owned = torch.zeros(kv_cache[0][0].shape[0] * block_size, dtype=torch.bool, device=device)
+        self.kv_stripe = KVStripe(self.rank, self.cp_size)
         self.choices: Counter[CPMethod] = Counter()  # prefill chunks run by each method
         self.last_choices: list[CPChoice] = []
         for layer in model.layers:
             layer.self_attn.attend = context_parallel_attention
 
-    @property
-    def stored_slots(self) -> torch.Tensor:
-        return self.owned
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        self._record_ownership(plan)
         bs, dev = self.block_size, self.device
         token_ids: list[int] = []
         positions: list[int] = []
-        write_rows, write_slots = [], []
-        decode_tables, decode_lens, spans = [], [], []
+        write_rows: list[int] = []
+        write_slots: list[torch.Tensor] = []
+        decode_rows, spans = [], []
         sample_rows: list[int | None] = []  # local row of each sampled token, None when another rank holds it
         self.last_choices = []
         for chunk in plan.chunks:
             table = chunk.block_table
             first_row = len(token_ids)
+            slots = self._stored_slots(table, chunk.start, chunk.end)  # of the new tokens stored here, in order
+            write_slots.append(slots)
             if chunk.num_tokens == 1:
                 offsets = [0]
-                if chunk.start % self.cp_size == self.rank:
-                    write_rows.append(first_row)
-                    write_slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
-                decode_tables.append(list(table))
-                decode_lens.append(chunk.end)
+                write_rows += [first_row] * len(slots)  # none, or this row when its token is stored here
+                decode_rows.append((table, chunk.end))
                 last_row = first_row if self.rank == 0 else None
             else:
-                shard = shard_tokens(chunk.num_tokens, self.cp_size)[self.rank]
-                offsets = [t for start, end in shard.ranges for t in range(start, end)]
-                write_rows += range(first_row, first_row + len(offsets))
-                write_slots += [table[p // bs] * bs + p % bs for p in shard.positions(chunk.start)]
-                spans.append(self._span(chunk, slice(first_row, first_row + len(offsets))))
-                last = chunk.num_tokens - 1
-                last_row = first_row + offsets.index(last) if last in offsets else None
+                runs = stripe_runs(table, chunk.start, chunk.end, bs, self.cp_size)
+                mine = runs[self.rank]
+                offsets = [p - chunk.start for start, end in mine for p in range(start, end)]
+                write_rows += range(first_row, first_row + len(offsets))  # this rank's rows are the stored tokens
+                spans.append(self._span(chunk, runs, slice(first_row, first_row + len(offsets))))
+                last_row = first_row + len(offsets) - 1 if mine and mine[-1][1] == chunk.end else None
             token_ids += [chunk.token_ids[t] for t in offsets]
             positions += [chunk.start + t for t in offsets]
             if chunk.samples:
                 sample_rows.append(last_row)
-        tables = self._padded_tables(decode_tables)
+        tables, mask = self._decode_view(decode_rows) if decode_rows else (None, None)
         meta = CPAttentionMetadata(
             group=self.group,
             write_rows=torch.tensor(write_rows, dtype=torch.long, device=dev),
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
-            num_decode=len(decode_tables),
+            write_slots=torch.cat(write_slots).to(dev),
+            num_decode=len(decode_rows),
             decode_block_tables=tables,
-            decode_mask=None if tables is None else self._decode_mask(tables, decode_lens),
+            decode_mask=mask,
             spans=tuple(spans),
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
@@ -100,44 +95,39 @@ class ContextParallelRunner(ModelRunner):
             return sampled[:0]  # only rank 0 samples
         return self.model.compute_logits(sampled)  # [S, V]
 
-    def _record_ownership(self, plan: StepPlan) -> None:
-        """Mark the slots of this step's new tokens as owned here or elsewhere (before any layer writes)."""
-        bs, slots, mine = self.block_size, [], []
-        for chunk in plan.chunks:
-            slots += [chunk.block_table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
-            if chunk.num_tokens == 1:
-                mine.append(chunk.start % self.cp_size == self.rank)
-            else:
-                held = set(shard_tokens(chunk.num_tokens, self.cp_size)[self.rank].positions())
-                mine += [t in held for t in range(chunk.num_tokens)]
-        self.owned[torch.tensor(slots, dtype=torch.long)] = torch.tensor(mine, dtype=torch.bool)
-
-    def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
-        if not tables:
-            return None
-        width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-
-    def _decode_mask(self, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def _stored_slots(self, table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        """This rank's cache slots of the positions in [start, end) it stores, in position order."""
         bs = self.block_size
-        slots = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)  # [B, L]
-        in_context = torch.arange(slots.shape[1], device=self.device)[None, :] < torch.tensor(lens)[:, None]
-        return (in_context & self.owned[slots])[:, None, None, :]  # [B, 1, 1, L]
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // bs]  # [end - start] global block ids
+        kept = blocks % self.cp_size == self.rank
+        return blocks[kept] // self.cp_size * bs + positions[kept] % bs
 
-    def _span(self, chunk: ChunkPlan, rows: slice) -> CPSpan:
-        bs, dev = self.block_size, self.device
-        prefix = torch.arange(chunk.start, device=dev)
-        table = torch.tensor(chunk.block_table, dtype=torch.long, device=dev)
-        prefix_slots = table[prefix // bs] * bs + prefix % bs  # [start]
-        cached_slots = prefix_slots[self.owned[prefix_slots]]  # [c]: the part of the prefix stored here
-        queries = tuple(query_segments(shard) for shard in shard_tokens(chunk.num_tokens, self.cp_size))
-        cached_counts = torch.empty(self.cp_size, dtype=torch.long)
-        self.group._allgather_base(cached_counts, torch.tensor([len(cached_slots)])).wait()
-        keys = tuple(kv_segments(int(c), q) for c, q in zip(cached_counts, queries))
+    def _decode_view(self, rows: list[tuple[tuple[int, ...], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per decode row (block table, context length): the blocks stored here, as local ids padded to one
+        width, and the mask of their tokens in context -> tables [B, W], mask [B, 1, 1, W * block_size]."""
+        bs, stripe = self.block_size, self.kv_stripe
+        held = [[(i, stripe.local(b)) for i, b in enumerate(table[: -(-length // bs)]) if stripe.stores(b)]
+                for table, length in rows]
+        width = max(1, max(len(h) for h in held))
+        tables = torch.zeros((len(rows), width), dtype=torch.long)
+        filled = torch.zeros((len(rows), width), dtype=torch.long)  # tokens in context in each held block
+        for r, (blocks, (_, length)) in enumerate(zip(held, rows)):
+            for j, (i, local) in enumerate(blocks):
+                tables[r, j], filled[r, j] = local, min(bs, length - i * bs)
+        mask = torch.arange(bs)[None, None, :] < filled[:, :, None]  # [B, W, bs]
+        return tables.to(self.device), mask.flatten(1)[:, None, None, :].to(self.device)
+
+    def _span(self, chunk: ChunkPlan, runs: list[list[Run]], rows: slice) -> CPSpan:
+        queries = tuple(query_segments(r) for r in runs)
+        cached = [stored_positions(chunk.block_table, chunk.start, self.block_size, KVStripe(rank, self.cp_size))
+                  for rank in range(self.cp_size)]
+        keys = tuple(kv_segments(c, q) for c, q in zip(cached, queries))
         choice = self._choose(chunk)
         self.choices[choice.method] += 1
         self.last_choices.append(choice)
-        return CPSpan(rows=rows, cached_slots=cached_slots, choice=choice, query_layouts=queries, kv_layouts=keys,
+        return CPSpan(rows=rows, cached_slots=self._stored_slots(chunk.block_table, 0, chunk.start).to(self.device),
+                      choice=choice, query_layouts=queries, kv_layouts=keys,
                       kv_len=max(k[-1].end if k else 0 for k in keys),
                       q_len=max(q[-1].end if q else 0 for q in queries))
 

@@ -12,6 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from engine.kv_cache import KVStripe
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.launcher import ParallelError, RankGroup, Rendezvous, plan_group, receive_plan, send_plan
 from engine.parallel.parallelize import build_runner
@@ -45,8 +46,8 @@ class ParallelExecutor:
         return self.runner.kv_cache  # rank 0's share
 
     @property
-    def stored_slots(self) -> torch.Tensor | None:
-        return self.runner.stored_slots
+    def kv_stripe(self) -> KVStripe:
+        return self.runner.kv_stripe  # rank 0's
 
     @property
     def last_choices(self) -> list:
