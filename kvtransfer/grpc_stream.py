@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import warnings
 
 import grpc
 import torch
@@ -22,10 +23,18 @@ WIRE_DTYPES = {torch.float32: internal_pb2.DTYPE_FLOAT32, torch.bfloat16: intern
           torch.float16: internal_pb2.DTYPE_FLOAT16}
 DTYPES_BY_WIRE = {v: k for k, v in WIRE_DTYPES.items()}
 _END = object()
+# a message's keys and values are viewed in place (immutable bytes) and only read from: torch need not warn
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # a CUDA cache's pieces come to the host
+    return bytes(tensor_buffer(t))
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy when it is a contiguous host tensor (a CUDA cache's pieces come to
+    the host)."""
+    return t.contiguous().view(torch.uint8).cpu().numpy().data
 
 
 KEYS_FIELD = internal_pb2.KVPiece.DESCRIPTOR.fields_by_name["keys"].number
@@ -37,8 +46,8 @@ def wire_message(piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.
     protobuf, the two tensors appended as length-delimited fields (the bytes protobuf would write, which a
     parser reads the same in any field order), 6x faster for a 1.6 MB layer (bench/RESULTS.md)."""
     head = piece.SerializeToString()
-    k, v = tensor_bytes(keys), tensor_bytes(values)
-    return b"".join([head, _field_prefix(KEYS_FIELD, len(k)), k, _field_prefix(VALUES_FIELD, len(v)), v])
+    k, v = tensor_buffer(keys), tensor_buffer(values)  # joined straight from the tensors: one copy
+    return b"".join([head, _field_prefix(KEYS_FIELD, k.nbytes), k, _field_prefix(VALUES_FIELD, v.nbytes), v])
 
 
 def _field_prefix(number: int, length: int) -> bytes:
@@ -165,7 +174,7 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
                 if len(data) != size:
                     raise PieceRejected(f"pieces of {shape[0]} tokens must carry {size} bytes per tensor, "
                                         f"got {len(data)}")
-            return [torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+            return [torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)  # read only, never written
                     for data in (msg.keys, msg.values)]
 
         yield tensors

@@ -42,7 +42,7 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
             self._file = os.fdopen(fd, "wb", buffering=0)
         piece.shm_path, piece.shm_offset = self.path, self._file.tell()
         for tensor in (keys, values):
-            self._file.write(tensor.contiguous().view(torch.uint8).cpu().numpy().data)
+            self._file.write(grpc_stream.tensor_buffer(tensor))
         return piece.SerializeToString()
 
     def finish(self, timeout_s: float = 60.0):
@@ -59,12 +59,15 @@ class SharedMemoryService(grpc_stream.KVTransferService):
     @contextlib.contextmanager
     def reader(self):
         files: dict[str, int] = {}  # path -> descriptor, for this stream
+        buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)]  # this stream's, reused layer by layer
 
         def tensors(msg, dtype, shape, size):
             fd = files.get(msg.shm_path)
             if fd is None:
                 fd = files[msg.shm_path] = _open_once(msg.shm_path)
-            buffer = torch.empty(2 * size, dtype=torch.uint8)
+            if buffers[0].numel() < 2 * size:
+                buffers[0] = torch.empty(2 * size, dtype=torch.uint8)
+            buffer = buffers[0][:2 * size]  # written into the cache before the next message is read
             read = os.preadv(fd, [buffer.numpy()], msg.shm_offset)
             if read != 2 * size:
                 raise PieceRejected(f"{msg.shm_path} holds {read} bytes at {msg.shm_offset}, the piece needs "

@@ -1,13 +1,17 @@
 """KV transfer over torch.distributed point-to-point in a process group per prefill/decode pair
 (gloo on CPU; NCCL on GPUs, which is the NVLink / InfiniBand RDMA path).
 
-Group ranks: the prefill instance's ranks first, then the decode instance's. Per
-(request, source rank, destination rank), every layer is one DATA message: a
-descriptor (tag 1: kind, sizes, dtype), a header with the layer, the pieces'
-destination slots and the request id (tag 2), and one payload holding keys and
-values of all the layer's pieces (tag 3). A final END message (descriptor, then a
-header holding only the request id's length and bytes) asks for the acknowledgement (tag 4): status
-and bytes written, then the reason when a piece was refused.
+Group ranks: the prefill instance's ranks first, then the decode instance's. Each
+sender is a stream, numbered uniquely in its process. Every layer is one DATA
+message: a descriptor (tag 1: kind, stream, layer, header size, dtype, payload
+shape), then the keys and the values of all the layer's pieces (two messages of
+tag 3, not waited for: the sink gathers the next layer while they travel). A header
+(tag 2: the pieces' destination runs and the request id) follows the descriptor
+only when it changes: on a stream's first message and when a layer's runs differ
+from the last ones sent, so a request costs one small message per layer, not two
+(each small gloo message is a round trip). A final END message asks for the
+acknowledgement (tag 4): status and bytes written, then the reason when a piece
+was refused.
 
 A sender's messages are atomic on its group: senders of one process share the
 group's `lock` (the engine step and a finishing thread may send at once), and
@@ -24,6 +28,7 @@ receive, so CUDA caches would need one receive loop per source rank (not built).
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections import OrderedDict
 from typing import Callable
@@ -36,6 +41,8 @@ from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferEr
 TAG_DESCRIPTOR, TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3, 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+DESCRIPTOR_LEN = 8  # kind, stream, layer, header size, dtype, tokens, heads, head_dim
+_stream_ids = itertools.count()  # a sender's stream number, unique in its process
 
 
 class Kind(enum.IntEnum):
@@ -43,22 +50,15 @@ class Kind(enum.IntEnum):
     END = 1  # the request's last message: acknowledge it
 
 
-def _data_header(request_id: str, layer: int, runs: list[tuple[int, int]]) -> torch.Tensor:
-    """[layer, runs, (first slot, tokens) per run, request id bytes]."""
-    return torch.tensor([layer, len(runs), *(x for run in runs for x in run), *request_id.encode()], dtype=torch.long)
+def _header(request_id: str, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """[runs, (first slot, tokens) per run, request id bytes]."""
+    return torch.tensor([len(runs), *(x for run in runs for x in run), *request_id.encode()], dtype=torch.long)
 
 
-def _parse_data_header(header: torch.Tensor) -> tuple[str, int, list[tuple[int, int]]]:
+def _parse_header(header: torch.Tensor) -> tuple[str, list[tuple[int, int]]]:
     values = header.tolist()
-    layer, count = values[:2]
-    pairs = values[2:2 + 2 * count]
-    return bytes(values[2 + 2 * count:]).decode(), layer, list(zip(pairs[::2], pairs[1::2]))
-
-
-def _end_header(request_id: str) -> torch.Tensor:
-    """[request id length, request id bytes] (never empty)."""
-    name = request_id.encode()
-    return torch.tensor([len(name), *name], dtype=torch.long)
+    pairs = values[1:1 + 2 * values[0]]
+    return bytes(values[1 + 2 * values[0]:]).decode(), list(zip(pairs[::2], pairs[1::2]))
 
 
 class TorchP2PSender(KVSender):
@@ -67,6 +67,9 @@ class TorchP2PSender(KVSender):
         super().__init__()
         self._group, self.request_id, self.dst = group, request_id, dst_group_rank
         self.lock = lock or threading.Lock()
+        self.stream = next(_stream_ids)
+        self._runs_sent: list[tuple[int, int]] | None = None  # what the receiver holds for this stream
+        self._in_flight: list[tuple[object, torch.Tensor]] = []  # (send work, its tensor) of the last payload
 
     @property
     def group(self):
@@ -79,29 +82,44 @@ class TorchP2PSender(KVSender):
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         with self.lock:  # one message at a time on this group from this process
-            self._exchange(Kind.DATA, _data_header(self.request_id, layer, runs),
-                           torch.stack([keys, values]))  # [2, N, H, D]
+            self._exchange(Kind.DATA, layer, runs, (keys, values))
 
-    def _exchange(self, kind: Kind, header: torch.Tensor, payload: torch.Tensor | None) -> None:
-        heads, head_dim = (payload.shape[2], payload.shape[3]) if payload is not None else (0, 0)
-        dtype = DTYPE_CODES[payload.dtype] if payload is not None else 0
-        descriptor = torch.tensor([kind, header.numel(), 0 if payload is None else payload.shape[1], dtype, heads,
-                                   head_dim], dtype=torch.long)
+    def _exchange(self, kind: Kind, layer: int, runs: list[tuple[int, int]] | None,
+                  payload: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Posts a message's sends (`runs` None: whatever the receiver holds). The payload's complete while
+        the caller gathers the next layer: they are waited for before the next message and on finish (gloo
+        matches a pair's messages of one tag in order)."""
+        header = None
+        if self._runs_sent is None or (runs is not None and runs != self._runs_sent):
+            self._runs_sent = runs or []
+            header = _header(self.request_id, self._runs_sent)
+        layout = [DTYPE_CODES[payload[0].dtype], *payload[0].shape] if payload else [0, 0, 0, 0]  # dtype, N, H, D
+        descriptor = torch.tensor([kind, self.stream, layer, 0 if header is None else header.numel(), *layout],
+                                  dtype=torch.long)
         try:
+            self._wait_in_flight()
             group = self.group
             group.send([descriptor], self.dst, TAG_DESCRIPTOR).wait()
-            group.send([header], self.dst, TAG_HEADER).wait()
-            if payload is not None:
-                group.send([payload.contiguous()], self.dst, TAG_PAYLOAD).wait()
+            if header is not None:
+                group.send([header], self.dst, TAG_HEADER).wait()
+            for tensor in payload or ():  # keys, then values
+                tensor = tensor.contiguous()
+                self._in_flight.append((group.send([tensor], self.dst, TAG_PAYLOAD), tensor))
         except RuntimeError as e:
+            self._in_flight.clear()
             raise TransferError(f"KV send to group rank {self.dst} failed: {e}") from None
+
+    def _wait_in_flight(self) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        for work, _tensor in in_flight:  # the tensor stays alive until its send completed
+            work.wait()
 
     def _finish(self, timeout_s: float) -> None:
         with self.lock:  # acknowledgements come in END order: nobody else may END in between
             self._end()
 
     def _end(self) -> None:
-        self._exchange(Kind.END, _end_header(self.request_id), None)
+        self._exchange(Kind.END, 0, None, None)
         ack = torch.zeros(3, dtype=torch.long)  # status, bytes, reason length
         try:
             self.group.recv([ack], self.dst, TAG_ACK).wait()
@@ -128,6 +146,7 @@ class TorchP2PReceiver:
         self.completed: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._written: dict[tuple[int, str], int] = {}
         self._refused: dict[tuple[int, str], str] = {}
+        self._streams: dict[tuple[int, int], tuple[str, list[tuple[int, int]]]] = {}  # (source, stream) -> header
         self._done = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="kv-p2p-receiver", daemon=True)
         self.thread.start()
@@ -145,26 +164,28 @@ class TorchP2PReceiver:
                 self.on_exit()  # the group was closed or a peer died
 
     def _receive_one(self) -> None:
-        descriptor = torch.zeros(6, dtype=torch.long)
+        descriptor = torch.zeros(DESCRIPTOR_LEN, dtype=torch.long)
         work = self.group.recv_anysource([descriptor], TAG_DESCRIPTOR)
         work.wait()
         source = work._source_rank()
-        kind, header_len, num_tokens, dtype, heads, head_dim = descriptor.tolist()
-        header = torch.zeros(header_len, dtype=torch.long)
-        self.group.recv([header], source, TAG_HEADER).wait()
+        kind, stream, layer, header_len, dtype, num_tokens, heads, head_dim = descriptor.tolist()
+        if header_len:
+            header = torch.zeros(header_len, dtype=torch.long)
+            self.group.recv([header], source, TAG_HEADER).wait()
+            self._streams[(source, stream)] = _parse_header(header)
+        request_id, runs = self._streams[(source, stream)] if kind == Kind.DATA else self._streams.pop((source, stream))
+        key = (source, request_id)
         if kind == Kind.DATA:
-            request_id, layer, slots = _parse_data_header(header)
-            key = (source, request_id)
-            payload = torch.zeros((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
-            self.group.recv([payload], source, TAG_PAYLOAD).wait()
+            keys, values = torch.empty((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
+            self.group.recv([keys], source, TAG_PAYLOAD).wait()
+            self.group.recv([values], source, TAG_PAYLOAD).wait()
             if key not in self._refused:
                 try:
                     self._written[key] = self._written.get(key, 0) + self.receiver.write_runs(
-                        request_id, layer, slots, payload[0], payload[1])
+                        request_id, layer, runs, keys, values)
                 except (PieceRejected, NoReservation) as e:
                     self._refused[key] = str(e)
             return
-        key = (source, bytes(header.tolist()[1:]).decode())
         reason = self._refused.pop(key, "").encode()
         written = self._written.pop(key, 0)
         self.group.send([torch.tensor([1 if reason else 0, written, len(reason)])], source, TAG_ACK).wait()

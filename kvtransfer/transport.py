@@ -80,7 +80,6 @@ class KVReceiver:
         if keys.shape != expected or values.shape != expected or keys.dtype != self.dtype or values.dtype != self.dtype:
             raise PieceRejected(f"pieces must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
                                 f"{keys.dtype} and values {list(values.shape)} {values.dtype}")
-        slots = run_rows(runs)  # [sum(tokens)]: the destination slot of each row
         k_cache, v_cache = self.kv_cache[layer]
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
             table = self.reserved(request_id)
@@ -92,9 +91,46 @@ class KVReceiver:
                 if n < 1 or block not in blocks or offset + n > self.block_size:
                     raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside one block reserved for "
                                         f"{request_id!r}")
-            k_cache.view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, keys.to(k_cache.device))
-            v_cache.view(-1, self.num_heads, self.head_dim).index_copy_(0, slots, values.to(v_cache.device))
+            for cache, rows in ((k_cache, keys), (v_cache, values)):
+                scatter_rows(cache.view(-1, self.num_heads, self.head_dim), runs, rows.to(cache))
         return 2 * keys.numel() * keys.element_size()
+
+
+SLICE_COPIES = 16  # up to this many contiguous destination ranges, a copy each beats one indexed copy
+
+
+def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Tensor) -> None:
+    """dst[slot:slot + n] = the next n of `rows`, for each (slot, n) of `runs` in order. Runs that continue
+    one another (a fresh reservation's blocks usually do) are copied as one range at memcpy speed; past
+    SLICE_COPIES ranges, one `index_copy_` moves them all."""
+    ranges = merge_runs(runs)
+    if len(ranges) > SLICE_COPIES:
+        as_words(dst).index_copy_(0, run_rows(runs), as_words(rows))
+        return
+    first = 0
+    for slot, n in ranges:
+        dst[slot:slot + n].copy_(rows[first:first + n])
+        first += n
+
+
+def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`runs` of (first slot, tokens) with each run that starts where the one before ends merged into it."""
+    merged: list[tuple[int, int]] = []
+    for slot, n in runs:
+        if merged and merged[-1][0] + merged[-1][1] == slot:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((slot, n))
+    return merged
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [N, ...] as [N, row bytes / 8] int64 when a contiguous row is whole 8-byte words, else [N, elements]:
+    the same bytes, moved by `index_copy_` ~1.6x faster on CPU than as bf16 elements."""
+    flat = rows.contiguous().view(rows.shape[0], -1)
+    if (flat.shape[1] * flat.element_size()) % 8 or (flat.storage_offset() * flat.element_size()) % 8:
+        return flat
+    return flat.view(torch.int64)
 
 
 def run_rows(runs: list[tuple[int, int]]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from kvtransfer import grpc_stream, shared_memory
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
-from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState
+from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState, run_rows
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
@@ -244,6 +244,20 @@ def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
     assert torch.equal(decode.kv_cache[1][0][seq.block_table[0], :4], keys)
 
 
+
+@pytest.mark.parametrize("runs", [[(40, 3), (43, 5), (16, 16), (0, 2)], [(2 * i + 1, 1) for i in range(40)]],
+                         ids=["a few ranges", "more ranges than slice copies"])
+def test_scatter_rows_writes_each_run_where_indexed_assignment_does(runs):
+    from kvtransfer.transport import SLICE_COPIES, merge_runs, run_rows, scatter_rows
+
+    assert (len(merge_runs(runs)) > SLICE_COPIES) == (len(runs) == 40)  # both paths are taken
+    rows = torch.randn(sum(n for _, n in runs), 3, 8).bfloat16()
+    expected, got = torch.zeros(96, 3, 8, dtype=torch.bfloat16), torch.zeros(96, 3, 8, dtype=torch.bfloat16)
+    expected[run_rows(runs)] = rows
+    scatter_rows(got, runs, rows)
+    assert torch.equal(got, expected)
+    assert merge_runs([(0, 4), (4, 4), (16, 2), (18, 1), (8, 1)]) == [(0, 8), (16, 3), (8, 1)]
+
 # ---- torch.distributed point-to-point over a pair group: prefill CP ranks + decode TP ranks ---------------
 
 
@@ -319,3 +333,43 @@ def test_torch_p2p_moves_kv_bit_exactly_from_cp_ranks_to_tp_ranks(cp, tp):
     assert sent == received == 2 * 2 * 45 * heads_stored * 8 * 2  # layers x (k, v) x tokens x heads x dim x bf16
     refusals = [reason for role, _, _, reason in rows if role == "prefill"]
     assert all(r is not None and "refused KV of 'ghost'" in r and "no KV reservation" in r for r in refusals)
+
+
+def p2p_streams_worker(rank: int, port: int, results) -> None:
+    """Rank 0 sends two requests whose layers interleave on one group, one of them with different runs per
+    layer (the header goes again); rank 1 writes them."""
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    data = torch.randn(2, 2, 2, 8, 3, 4, generator=torch.Generator().manual_seed(1))  # [request, layer, k/v, ...]
+    runs = {("a", 0): [(0, 4), (4, 4)], ("a", 1): [(8, 8)], ("b", 0): [(16, 8)], ("b", 1): [(16, 8)]}
+    if rank == 0:
+        senders = {rid: TorchP2PSender(group, rid, 1) for rid in "ab"}
+        for layer in range(2):
+            for r, rid in enumerate("ab"):
+                senders[rid].send_runs(layer, runs[rid, layer], data[r, layer, 0], data[r, layer, 1])
+                senders[rid].flush()
+        results.put(sum(s.finish().bytes for s in senders.values()))
+    else:
+        kv = [(torch.zeros(3, 16, 3, 4), torch.zeros(3, 16, 3, 4)) for _ in range(2)]
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, {"a": (0,), "b": (1,)}.get))
+        assert receiver.wait_for([(0, "a"), (0, "b")], timeout_s=60)
+        for layer in range(2):
+            for which in range(2):
+                flat = kv[layer][which].view(-1, 3, 4)
+                for r, rid in enumerate("ab"):
+                    assert torch.equal(flat[run_rows(runs[rid, layer])], data[r, layer, which])
+        assert not flat[24:].any() and not receiver._streams  # nothing else written; every stream ended
+        results.put(sum(receiver.completed.values()))
+    group.barrier().wait()
+
+
+def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change_between_layers():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_streams_worker, args=(free_port(), results), nprocs=2)
+    assert results.get() == results.get() == 2 * 2 * 2 * 8 * 3 * 4 * 4  # requests x layers x k/v x rows x fp32
