@@ -98,3 +98,17 @@ def test_sharded_safetensors_with_an_index_load_the_same_model(tiny_checkpoint, 
     prompt = prompts(3)[2]
     (out,) = LLM(str(tmp_path), dtype="float32").generate([prompt], GREEDY)
     assert out.token_ids == hf_greedy(hf, prompt)[0]
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48)])
+def test_a_single_bf16_row_is_multiplied_bit_for_bit_as_in_a_batch(shape):
+    """Batch-1 decode multiplies its one row as a matrix-vector product (faster on CPU): the row's result
+    must be what a batched step gives it, bit for bit, so a sequence's tokens never depend on its company."""
+    from engine.model import Linear
+
+    g = torch.Generator().manual_seed(0)
+    linear = Linear(*shape, bias=False).to(torch.bfloat16)
+    linear.weight.data = torch.randn(shape[1], shape[0], generator=g).bfloat16()
+    rows = torch.randn(5, shape[0], generator=g).bfloat16()
+    alone = torch.cat([linear(rows[i:i + 1]) for i in range(5)])
+    assert torch.equal(alone, linear(rows)) and torch.equal(alone, torch.nn.functional.linear(rows, linear.weight))
