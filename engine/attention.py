@@ -36,6 +36,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decode] int32 (the CUDA kernel's mask)
     prefills: tuple[PrefillSpan, ...]
+    # one decode sequence whose blocks lie in a row: (its first slot, context length), attended as a view of
+    # the cache instead of a gather of its context every layer
+    decode_run: tuple[int, int] | None = None
 
 
 def build_metadata(
@@ -67,6 +70,12 @@ def build_metadata(
             blocks = torch.tensor(table[: math.ceil(context_len / block_size)], dtype=torch.long, device=device)
             spans.append(PrefillSpan(start, num_tokens, context_len, blocks, span_mask))
         start += num_tokens
+    run = None
+    if num_decode == 1:
+        table, length = decode_block_tables[0], decode_context_lens[0]
+        used = table[: math.ceil(length / block_size)]
+        if used == list(range(used[0], used[0] + len(used))):
+            run = (used[0] * block_size, length)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decode=num_decode,
@@ -74,6 +83,7 @@ def build_metadata(
         decode_mask=mask,
         decode_context_lens=lens,
         prefills=tuple(spans),
+        decode_run=run,
     )
 
 
@@ -99,9 +109,14 @@ def paged_attention(
                                        meta.decode_block_tables, meta.decode_context_lens, scale)
         outputs.append(od)  # [B, Hq, D]
     elif meta.num_decode:
-        tables = meta.decode_block_tables
-        kd = gather_blocks(k_cache, tables).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = gather_blocks(v_cache, tables).transpose(1, 2)
+        mask = meta.decode_mask
+        if meta.decode_run is not None:  # [1, L, Hkv, D] views of the cache: nothing gathered, nothing masked
+            first, length = meta.decode_run
+            kd, vd = (c.view(-1, num_kv_heads, head_dim)[None, first:first + length] for c in (k_cache, v_cache))
+            mask = None
+        else:
+            kd, vd = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, D]
         batch, num_heads = meta.num_decode, q.shape[1]
         if kv_head_map is None:  # plain GQA: a group's query heads are query rows of one KV head, read once
             qd = q[:batch].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
@@ -110,7 +125,7 @@ def paged_attention(
             qd = q[:batch, :, None, :]  # [B, Hq, 1, D]
         # In the cache's dtype: on CPU, up-casting the gathered context to float32 first (once faster) now costs
         # 1.3-10x the attention itself (torch 2.13; bench/RESULTS.md, "decode attention in bfloat16").
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         outputs.append(od.reshape(batch, num_heads, head_dim))  # [B, Hq, D]
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)

@@ -94,3 +94,25 @@ def test_moe_permute_and_combine_match_indexing(dtype):
     expected = (y[slot_rows].float() * weights[..., None]).sum(1).to(dtype)
     torch.testing.assert_close(combine_rows(y, slot_rows, weights), expected, atol=1e-5, rtol=1e-2)
     assert permute_rows(x, torch.empty(0, dtype=torch.long)).shape == (0, dim)  # nothing routed here
+
+
+@pytest.mark.parametrize("table", [[5, 6, 7], [9, 2, 7]], ids=["blocks in a row", "scattered blocks"])
+def test_torch_decode_attention_over_a_view_or_a_gather_is_exact_attention(table):
+    """One decode sequence whose blocks lie in a row is attended over a view of the cache (no gather): the
+    same attention as over scattered blocks, checked against the reference."""
+    from engine.attention import build_metadata, paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, head_dim, context = 16, 6, 2, 8, 37
+    k_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g)
+    q, k, v = (torch.randn(1, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    last = table[(context - 1) // block_size] * block_size + (context - 1) % block_size  # the new token's slot
+    meta = build_metadata(slot_mapping=[last], decode_block_tables=[table], decode_context_lens=[context],
+                          prefill_chunks=[], block_size=block_size, device=torch.device("cpu"))
+    assert (meta.decode_run is not None) == (table == [5, 6, 7])
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    ref_out, _ = paged_reference(q, k_cache, v_cache, torch.tensor([table]), torch.tensor([context]),
+                                 head_dim**-0.5)
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[last], k[0])
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
