@@ -54,7 +54,7 @@ def push(sender, kv, pieces) -> None:
     ((rows, heads, runs),) = by_destination(pieces).values()
     for layer, (k, v) in enumerate(kv):
         flat_k, flat_v = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
-        sender.send_runs(layer, runs, flat_k.index_select(0, rows)[:, heads], flat_v.index_select(0, rows)[:, heads])
+        sender.send_runs(layer, runs, flat_k[:, heads].index_select(0, rows), flat_v[:, heads].index_select(0, rows))
         sender.flush()
     sender.finish()
 

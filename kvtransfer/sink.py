@@ -49,8 +49,8 @@ class PlanSink:
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for dst_rank, (source_rows, heads, runs) in self.by_rank.items():  # one gather per destination rank
-            keys = keys_all.index_select(0, source_rows)[:, heads]  # [sum(tokens), the rank's heads, D]
-            values = values_all.index_select(0, source_rows)[:, heads]
+            keys = keys_all[:, heads].index_select(0, source_rows)  # [sum(tokens), the rank's heads, D], contiguous
+            values = values_all[:, heads].index_select(0, source_rows)
             self.senders[dst_rank].send_runs(layer, runs, keys, values)
         for sender in self.senders:
             try:
