@@ -40,6 +40,9 @@ from mesh.settings import ServiceSettings
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 DRAIN_POLL_S = 0.05
+# on stop, calls in flight get this long to finish (a Drain's own reply races the stop it starts on an idle
+# instance); streams still running after a drain's timeout are cancelled then
+STOP_GRACE_S = 1.0
 
 
 class Instance:
@@ -147,9 +150,10 @@ class Instance:
             self._enter(InstanceState.STOPPED)
         if self.heartbeat is not None:
             self.heartbeat.stop()  # deregisters
-        for server in (self.server, self.health_server):
-            if server is not None:
-                server.stop(grace=None)
+        stopping = [server.stop(grace=STOP_GRACE_S) for server in (self.server, self.health_server)
+                    if server is not None]
+        for stopped in stopping:
+            stopped.wait()
         try:
             self.close()
         finally:
