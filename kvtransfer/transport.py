@@ -105,7 +105,7 @@ def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Ten
     SLICE_COPIES ranges, one `index_copy_` moves them all."""
     ranges = merge_runs(runs)
     if len(ranges) > SLICE_COPIES:
-        as_words(dst).index_copy_(0, run_rows(runs), as_words(rows))
+        as_words(dst).index_copy_(0, run_rows(runs), as_words(rows.contiguous()))
         return
     first = 0
     for slot, n in ranges:
@@ -125,9 +125,10 @@ def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
-    """Rows [N, ...] as [N, row bytes / 8] int64 when a contiguous row is whole 8-byte words, else [N, elements]:
-    the same bytes, moved by `index_copy_` ~1.6x faster on CPU than as bf16 elements."""
-    flat = rows.contiguous().view(rows.shape[0], -1)
+    """A view of rows [N, ...] (contiguous rows: else `view` raises) as [N, row bytes / 8] int64 when a row is
+    whole 8-byte words, else [N, elements]: the same bytes, moved by `index_copy_` ~1.6x faster on CPU than as
+    bf16 elements."""
+    flat = rows.view(rows.shape[0], -1)
     if (flat.shape[1] * flat.element_size()) % 8 or (flat.storage_offset() * flat.element_size()) % 8:
         return flat
     return flat.view(torch.int64)
