@@ -373,3 +373,41 @@ def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(p2p_streams_worker, args=(free_port(), results), nprocs=2)
     assert results.get() == results.get() == 2 * 2 * 2 * 8 * 3 * 4 * 4  # requests x layers x k/v x rows x fp32
+
+
+def p2p_dead_receiver_worker(rank: int, port: int, results) -> None:
+    """Rank 1 dies after the first message it takes in; rank 0 keeps pushing layers (their sends in flight)."""
+    import time
+
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    if rank == 1:
+        kv = [(torch.zeros(64, 16, 3, 64), torch.zeros(64, 16, 3, 64)) for _ in range(2)]
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: tuple(range(64))))
+        while not receiver._written:
+            time.sleep(0.001)
+        os._exit(0)  # killed mid-push: no goodbye on the group
+    sender = TorchP2PSender(group, "req", 1)
+    keys = torch.randn(1024, 3, 64)
+    try:
+        for layer in range(200):
+            sender.send_runs(layer % 2, [(16 * block, 16) for block in range(64)], keys, keys)
+            sender.flush()
+        sender.finish(timeout_s=30)
+        results.put(("finished", None))
+    except TransferError as e:
+        results.put(("failed", str(e), sender.state.value, len(sender._in_flight)))
+
+
+def test_torch_p2p_push_to_a_receiver_that_dies_mid_push_fails_and_holds_nothing():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_dead_receiver_worker, args=(free_port(), results), nprocs=2)
+    outcome, message, state, in_flight = results.get()
+    assert outcome == "failed" and "group rank 1" in message, message
+    assert state == "failed" and in_flight == 0  # no send left holding its tensor
