@@ -27,10 +27,6 @@ _END = object()
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(tensor_buffer(t))
-
-
 def tensor_buffer(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy when it is a contiguous host tensor (a CUDA cache's pieces come to
     the host)."""

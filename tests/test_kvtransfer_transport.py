@@ -176,7 +176,7 @@ def test_a_layer_message_written_by_hand_is_what_protobuf_writes_and_reads(token
     piece = internal_pb2.KVPiece(request_id="req-1", layer=29, dst_rank=1, dst_slots=[32, 400],
                                  run_tokens=[tokens, 0], dtype=internal_pb2.DTYPE_BFLOAT16)
     by_hand = grpc_stream.wire_message(piece, keys, values)
-    piece.keys, piece.values = grpc_stream.tensor_bytes(keys), grpc_stream.tensor_bytes(values)
+    piece.keys, piece.values = (bytes(grpc_stream.tensor_buffer(t)) for t in (keys, values))
     assert internal_pb2.KVPiece.FromString(by_hand) == piece
     if tokens:  # protobuf leaves empty bytes fields out; the hand-written message has them, empty
         assert by_hand == piece.SerializeToString()

@@ -6,9 +6,9 @@ of each prefill chunk, only the tokens it stores. Its cache holds only its share
 of the instance's blocks (`KVStripe`: global block g on rank g % N, as local block
 g // N), so which rank stores, computes and attends over a token follows from its
 block id alone: no ownership state, no collective to agree on it. It builds the
-`CPAttentionMetadata` the ring attention needs, once per step, in local slots. Pass-KV or pass-Q is chosen per prefill
-chunk (`ParallelConfig.cp_method`, "auto" = the paper's heuristic) and recorded
-in `choices`. The sampled rows are summed over the group (only their owner
+`CPAttentionMetadata` the ring attention needs, once per step, in local slots.
+Pass-KV or pass-Q is chosen per prefill chunk (`ParallelConfig.cp_method`,
+"auto" = the paper's heuristic) and recorded in `choices`. The sampled rows are summed over the group (only their owner
 contributes), and rank 0 computes the logits.
 """
 
