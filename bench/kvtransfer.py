@@ -3,14 +3,16 @@ from a prefill cache (block 16) into reserved decode blocks (block 16), over eac
 
     python bench/kvtransfer.py [--tokens 2048] [--quick]
 
-Rows: gRPC stream and shared memory (loopback, in one process: server threads + sender), torch.distributed
-p2p over a gloo pair group (two processes), and two floors of the same bytes: one gloo send of a single
-tensor (for the network transports) and one single-threaded memcpy (for shared memory).
+Rows: gRPC stream and shared memory (a sending process and a serving one, over loopback), torch.distributed
+p2p over a gloo pair group (two processes), each process on one intra-op thread, and two floors of the same
+bytes: one gloo send of a single tensor (for the network transports) and one single-threaded memcpy (for
+shared memory). A push is what a prefill rank does: `PlanSink` gathering each layer and sending it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import socket
 import statistics
 import sys
@@ -25,10 +27,11 @@ import torch.multiprocessing as mp
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
+from engine.kv_cache import KVStripe  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer import grpc_stream, shared_memory  # noqa: E402
-from kvtransfer.plan import DecodeLayout, PrefillLayout, plan  # noqa: E402
-from kvtransfer.sink import by_destination  # noqa: E402
+from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
+from kvtransfer.sink import PlanSink  # noqa: E402
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender  # noqa: E402
 from kvtransfer.transport import KVReceiver  # noqa: E402
 from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
@@ -41,7 +44,7 @@ def layouts(tokens: int):
     src = PrefillLayout(token_ranges=(((0, tokens),),), num_kv_heads=HEADS, block_size=BLOCK,
                         block_table=tuple(range(blocks)))
     dst = DecodeLayout(head_ranges=((0, HEADS),), block_size=BLOCK, block_table=tuple(range(blocks, 2 * blocks)))
-    return src, dst, plan(src, dst)
+    return src, dst
 
 
 def cache(blocks: int):
@@ -49,34 +52,52 @@ def cache(blocks: int):
     return [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
 
 
-def push(sender, kv, pieces) -> None:
-    """What `PlanSink` does for one destination rank: one gather of its rows per layer, then send."""
-    ((rows, heads, runs),) = by_destination(pieces).values()
+def push(sender, kv, tokens: int) -> None:
+    """A prefill rank's push of the prompt to one decode rank, as the engine drives it: `PlanSink`, layer by
+    layer (the gather of each layer's rows included), then waiting for the acknowledgement."""
+    src, dst = layouts(tokens)
+    sink = PlanSink(num_tokens=tokens, num_kv_heads=HEADS, block_size=BLOCK, target=dst, senders=[sender])
     for layer, (k, v) in enumerate(kv):
-        flat_k, flat_v = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
-        sender.send_runs(layer, runs, flat_k[:, heads].index_select(0, rows), flat_v[:, heads].index_select(0, rows))
-        sender.flush()
-    sender.finish()
+        sink.push_layer(layer, k, v, src.block_table, KVStripe())
+    sink.finish()
+
+
+def serve_stream(module: str, tokens: int, ports, stop) -> None:
+    """The decode side of a gRPC-stream-protocol transport, in a process of its own (as decode runs)."""
+    torch.set_num_threads(1)  # one core each, as p2p's ranks
+    transport = importlib.import_module(module)
+    src, dst = layouts(tokens)
+    receiver = KVReceiver(cache(2 * len(src.block_table)), lambda rid: dst.block_table)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    internal_pb2_grpc.add_KVTransferServicer_to_server(transport.Endpoint.service(receiver), server)
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(None)
 
 
 def bench_stream(transport, tokens: int, repeats: int) -> float:
-    """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): its sender and server."""
-    src, dst, pieces = layouts(tokens)
-    blocks = 2 * len(src.block_table)
-    receiver = KVReceiver(cache(blocks), lambda rid: dst.block_table)
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    internal_pb2_grpc.add_KVTransferServicer_to_server(transport.Endpoint.service(receiver), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): this process sends, a
+    second one serves."""
+    spawn = mp.get_context("spawn")
+    ports, stop = spawn.SimpleQueue(), spawn.Event()
+    server = spawn.Process(target=serve_stream, args=(transport.__name__, tokens, ports, stop))
     server.start()
-    kv = cache(blocks)
-    times = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        for i in range(repeats):
-            start = time.perf_counter()
-            push(transport.Dialer.sender(ch, f"r{i}", 0), kv, pieces)
-            times.append(time.perf_counter() - start)
-    server.stop(None)
-    return statistics.median(times)
+    src, _ = layouts(tokens)
+    kv = cache(2 * len(src.block_table))
+    times, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ports.get()}") as ch:
+            for i in range(repeats + 1):  # the first warms up both ends
+                start = time.perf_counter()
+                push(transport.Dialer.sender(ch, f"r{i}", 0), kv, tokens)
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+        stop.set()
+        server.join()
+    return statistics.median(times[1:])
 
 
 def memcpy_seconds(total: int, repeats: int) -> float:
@@ -95,7 +116,7 @@ def memcpy_seconds(total: int, repeats: int) -> float:
 def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None:
     torch.set_num_threads(1)
     group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
-    src, dst, pieces = layouts(tokens)
+    src, dst = layouts(tokens)
     blocks = 2 * len(src.block_table)
     if rank == 1:
         TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table))
@@ -109,7 +130,7 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
     one_tensor = torch.randn(LAYERS * 2 * tokens * HEADS * HEAD_DIM).bfloat16()
     for i in range(repeats):
         start = time.perf_counter()
-        push(TorchP2PSender(group, f"r{i}", 1), kv, pieces)
+        push(TorchP2PSender(group, f"r{i}", 1), kv, tokens)
         times.append(time.perf_counter() - start)
     for _ in range(repeats):
         start = time.perf_counter()

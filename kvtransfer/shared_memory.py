@@ -1,15 +1,18 @@
 """KV transfer through shared memory, for a prefill and a decode instance on one host: the `grpc_stream`
 protocol, whose messages say where each layer's keys and values lie instead of carrying them.
 
-A sender writes the layers of its push, one after the other, into a file of its own in /dev/shm (one
-copy, no serialisation); each `KVPiece` names the file and the offset. The decode rank opens the file at
-the first piece and unlinks it at once, so the memory goes back when both ends close it, whatever
-happens to either afterwards; it reads each layer from there into a buffer and writes it through the
-same checks as every transport (`KVReceiver`). A file's name carries its sender's pid: a prefill rank
-killed before decode opened its file leaves it behind, and the next sender on the host removes it
-(`sweep`). A path that is not one of ours in /dev/shm is refused, and a decode rank on another host
-cannot open the file: the push fails and decode recomputes the prompt, so pick this transport for
-prefill and decode instances that share a host.
+A prefill rank gathers each layer's keys and values for a decode rank straight into a region of its
+process's staging file in /dev/shm (`shm_arena`: mapped once, regions reused push after push); the
+layer's `KVPiece` names the file and the offset. The decode rank maps the file read-only for the stream
+and copies each layer from there into its cache through the same checks as every transport
+(`KVReceiver`): one copy on each side, no serialisation, no page faults once the arena is warm. The
+regions go back to the arena when decode acknowledged the push; a failed push's regions are discarded
+(their pages freed, their offsets never reused), so a late reader sees zeros, never another push.
+
+The staging file is named after its process and unlinked when the process exits; one whose process was
+killed is removed by the next sender on the host (`sweep`). A path that is not one of ours in /dev/shm
+is refused, and a decode rank on another host cannot open the file: the push fails and decode
+recomputes the prompt, so pick this transport for prefill and decode instances that share a host.
 
 The transport entry `shared_memory` (`kvtransfer.transports`).
 """
@@ -17,95 +20,141 @@ The transport entry `shared_memory` (`kvtransfer.transports`).
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import os
-import tempfile
+import stat
+import threading
+import warnings
 
 import torch
 
 from kvtransfer import grpc_stream
-from kvtransfer.transport import PieceRejected
+from kvtransfer.shm_arena import PREFIX, SHM_DIR, Region, arena
+from kvtransfer.transport import PieceRejected, TransferError, TransferState
 from protos.infermesh.v1 import internal_pb2
 
-SHM_DIR = "/dev/shm"
-PREFIX = "infermesh-kv-"
+# decode maps the sender's file read-only and only reads from it: torch need not warn
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 
 class SharedMemorySender(grpc_stream.GrpcStreamSender):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.path = ""
-        self._file = None
+        self._regions: list[Region] = []
+
+    @property
+    def path(self) -> str:
+        return arena().path
+
+    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """A region of the arena for one layer: the sink gathers keys and values into it, `_piece` sends
+        them as they lie. None when this push failed or /dev/shm is full (`_piece` then reports it)."""
+        if self.state is TransferState.FAILED:
+            return None
+        try:
+            kv = self._take(2 * math.prod(shape) * dtype.itemsize).view(dtype).view(2, *shape)
+        except TransferError:
+            return None
+        return kv[0], kv[1]
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        try:
+            region = arena().take(nbytes)
+        except OSError as e:
+            raise TransferError(f"cannot stage {nbytes} bytes of KV in {SHM_DIR}: {e.strerror}") from None
+        self._regions.append(region)
+        return region.tensor[:nbytes]
 
     def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-        if self._file is None:
-            fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM_DIR)
-            self._file = os.fdopen(fd, "wb", buffering=0)
-        piece.shm_path, piece.shm_offset = self.path, self._file.tell()
-        for tensor in (keys, values):
-            self._file.write(grpc_stream.tensor_buffer(tensor))
+        nbytes = keys.numel() * keys.element_size()
+        offset = arena().owns(keys)
+        if offset is None or not (keys.is_contiguous() and values.is_contiguous()
+                                  and values.data_ptr() == keys.data_ptr() + nbytes):
+            staged = self._take(2 * nbytes).view(keys.dtype).view(2, *keys.shape)  # not gathered in place
+            staged[0].copy_(keys)
+            staged[1].copy_(values)
+            offset = arena().owns(staged)
+        piece.shm_path, piece.shm_offset = self.path, offset
         return piece.SerializeToString()
 
     def finish(self, timeout_s: float = 60.0):
         try:
             return super().finish(timeout_s)
-        finally:  # done or failed: the file goes (decode has unlinked it already when it opened it)
-            if self._file is not None:
-                self._file.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
+        finally:  # acknowledged: the regions serve the next push; failed: decode may still read, so never reuse
+            keep = self.state is TransferState.DONE
+            for region in self._regions:
+                (arena().give_back if keep else arena().discard)(region)
+            self._regions.clear()
 
 
 class SharedMemoryService(grpc_stream.KVTransferService):
+    """Maps each sender's file once (a fresh mapping faults its pages in again) and keeps it while the
+    sender's process lives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._files: dict[str, torch.Tensor] = {}  # path -> its bytes, mapped read-only
+        self._lock = threading.Lock()
+
+    def _file(self, path: str) -> torch.Tensor:
+        with self._lock:
+            data = self._files.get(path)
+            if data is None:
+                for gone in [p for p in self._files if not _alive(_pid(p))]:
+                    del self._files[gone]  # unmapped with the last view: its pages go back to the host
+                data = self._files[path] = _map(path)
+            return data
+
     @contextlib.contextmanager
     def reader(self):
-        files: dict[str, int] = {}  # path -> descriptor, for this stream
-        buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)]  # this stream's, reused layer by layer
-
         def tensors(msg, dtype, shape, size):
-            fd = files.get(msg.shm_path)
-            if fd is None:
-                fd = files[msg.shm_path] = _open_once(msg.shm_path)
-            if buffers[0].numel() < 2 * size:
-                buffers[0] = torch.empty(2 * size, dtype=torch.uint8)
-            buffer = buffers[0][:2 * size]  # written into the cache before the next message is read
-            read = os.preadv(fd, [buffer.numpy()], msg.shm_offset)
-            if read != 2 * size:
-                raise PieceRejected(f"{msg.shm_path} holds {read} bytes at {msg.shm_offset}, the piece needs "
-                                    f"{2 * size}")
-            return buffer.view(dtype).view(2, *shape)  # keys, values
+            data = self._file(msg.shm_path)
+            if msg.shm_offset % dtype.itemsize or msg.shm_offset + 2 * size > data.numel():
+                raise PieceRejected(f"shm_offset {msg.shm_offset} + {2 * size} bytes is not inside "
+                                    f"{msg.shm_path} ({data.numel()} bytes) at a multiple of {dtype.itemsize}")
+            return data[msg.shm_offset:msg.shm_offset + 2 * size].view(dtype).view(2, *shape)  # keys, values
 
-        try:
-            yield tensors
-        finally:
-            for fd in files.values():
-                os.close(fd)
+        yield tensors
 
 
-def _open_once(path: str) -> int:
-    """Open a sender's file and unlink it: only a regular file of ours, straight in /dev/shm."""
+def _map(path: str) -> torch.Tensor:
+    """A sender's file, mapped read-only: only a regular file of ours, straight in /dev/shm."""
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
         raise PieceRejected(f"shm_path must be a file {SHM_DIR}/{PREFIX}*, got {path!r}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise PieceRejected(f"cannot open {path}: {e.strerror} (is the sender on this host?)") from None
-    os.unlink(path)
-    return fd
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            raise PieceRejected(f"{path} is not a sender's staging file")
+        return torch.frombuffer(mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ), dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 def sweep() -> list[str]:
-    """Remove the files of senders that are gone (killed before decode opened their file); what was removed."""
+    """Remove the files of senders that are gone (killed before they could unlink them); what was removed."""
     removed = []
     for name in os.listdir(SHM_DIR):
-        pid = name.removeprefix(PREFIX).split("-", 1)[0]
-        if name.startswith(PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(PREFIX) and not _alive(_pid(name)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _pid(path: str) -> int | None:
+    """The process a staging file (`PREFIX<pid>-...`) belongs to."""
+    pid = os.path.basename(path).removeprefix(PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True  # not a name we give: leave it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -7,7 +7,8 @@ the first layer it learns the prompt's blocks and which of them this rank stores
 (its `KVStripe`), and plans this rank's pieces to the decode layout: the ranks'
 stripes partition the prompt, so their plans together cover it exactly once.
 Every layer it copies each destination rank's pieces out of the cache at once
-(one gather of their rows and the rank's head range) and sends them; `finish`
+(one gather of their rows and the rank's head range, into the sender's own memory when it has some:
+`KVSender.layer_buffers`) and sends them; `finish`
 waits for every destination's acknowledgement. It never raises into the engine
 step: a destination that fails is skipped from then on and `finish` raises its
 TransferError.
@@ -20,7 +21,7 @@ import torch
 from engine.kv_cache import KVStripe
 from engine.parallel.cp_shard import stripe_runs
 from kvtransfer.plan import DecodeLayout, Piece, PrefillLayout, plan
-from kvtransfer.transport import KVSender, TransferError, TransferStats, run_rows
+from kvtransfer.transport import KVSender, TransferError, TransferStats, gather_rows, merge_runs
 
 
 class PlanSink:
@@ -29,7 +30,7 @@ class PlanSink:
         self.num_tokens, self.num_kv_heads, self.block_size = num_tokens, num_kv_heads, block_size
         self.target, self.senders = target, senders
         self.pieces: tuple[Piece, ...] | None = None
-        self.by_rank: dict[int, tuple[torch.Tensor, slice, list[tuple[int, int]]]] = {}
+        self.by_rank: dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]] = {}
         self.error: TransferError | None = None  # the plan could not be made: nothing is sent
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
@@ -48,10 +49,13 @@ class PlanSink:
             self.by_rank = by_destination(self.pieces)
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
-        for dst_rank, (source_rows, heads, runs) in self.by_rank.items():  # one gather per destination rank
-            keys = keys_all[:, heads].index_select(0, source_rows)  # [sum(tokens), the rank's heads, D], contiguous
-            values = values_all[:, heads].index_select(0, source_rows)
-            self.senders[dst_rank].send_runs(layer, runs, keys, values)
+        for dst_rank, (source_runs, heads, runs) in self.by_rank.items():  # one gather per destination rank
+            sender = self.senders[dst_rank]
+            shape = (sum(n for _, n in source_runs), heads.stop - heads.start, keys_all.shape[-1])
+            keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype) or (None, None)
+            keys = gather_rows(keys_all[:, heads], source_runs, keys_out)  # [sum(tokens), its heads, D]
+            values = gather_rows(values_all[:, heads], source_runs, values_out)
+            sender.send_runs(layer, runs, keys, values)
         for sender in self.senders:
             try:
                 sender.flush()
@@ -72,15 +76,15 @@ class PlanSink:
                              max((r.seconds for r in results), default=0.0))
 
 
-def by_destination(pieces: tuple[Piece, ...]) -> dict[int, tuple[torch.Tensor, slice, list[tuple[int, int]]]]:
-    """Per destination rank, what each layer sends it: (source rows [sum(tokens)], its heads, destination
-    runs), in the order of the plan."""
+def by_destination(pieces: tuple[Piece, ...]) -> dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]]:
+    """Per destination rank, what each layer sends it: (source runs of (first slot, tokens); its heads;
+    destination runs), in the order of the plan, runs merged where they continue one another."""
     grouped: dict[int, list[Piece]] = {}
     for piece in pieces:
         grouped.setdefault(piece.dst_rank, []).append(piece)
     by_rank = {}
     for dst_rank, mine in grouped.items():
         (heads,) = {p.heads for p in mine}  # a destination rank stores one head range
-        by_rank[dst_rank] = (run_rows([(p.src_slot, p.num_tokens) for p in mine]), slice(*heads),
-                             [(p.dst_slot, p.num_tokens) for p in mine])
+        by_rank[dst_rank] = (merge_runs([(p.src_slot, p.num_tokens) for p in mine]), slice(*heads),
+                             merge_runs([(p.dst_slot, p.num_tokens) for p in mine]))
     return by_rank

@@ -87,9 +87,9 @@ class KVReceiver:
                 raise NoReservation(f"request {request_id!r} has no KV reservation here")
             blocks = set(table)
             for slot, n in runs:
-                block, offset = divmod(slot, self.block_size)
-                if n < 1 or block not in blocks or offset + n > self.block_size:
-                    raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside one block reserved for "
+                first, last = slot // self.block_size, (slot + n - 1) // self.block_size
+                if n < 1 or slot < 0 or last - first >= len(blocks) or not blocks.issuperset(range(first, last + 1)):
+                    raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside blocks reserved for "
                                         f"{request_id!r}")
             for cache, rows in ((k_cache, keys), (v_cache, values)):
                 scatter_rows(cache.view(-1, self.num_heads, self.head_dim), runs, rows.to(cache))
@@ -100,9 +100,9 @@ SLICE_COPIES = 16  # up to this many contiguous destination ranges, a copy each 
 
 
 def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Tensor) -> None:
-    """dst[slot:slot + n] = the next n of `rows`, for each (slot, n) of `runs` in order. Runs that continue
-    one another (a fresh reservation's blocks usually do) are copied as one range at memcpy speed; past
-    SLICE_COPIES ranges, one `index_copy_` moves them all."""
+    """dst[slot:slot + n] = the next n of `rows`, for each (slot, n) of `runs` in order (`gather_rows`
+    undone). Runs that continue one another (a fresh reservation's blocks usually do) are copied as one
+    range at memcpy speed; past SLICE_COPIES ranges, one `index_copy_` moves them all."""
     ranges = merge_runs(runs)
     if len(ranges) > SLICE_COPIES:
         as_words(dst).index_copy_(0, run_rows(runs), as_words(rows.contiguous()))
@@ -111,6 +111,25 @@ def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Ten
     for slot, n in ranges:
         dst[slot:slot + n].copy_(rows[first:first + n])
         first += n
+
+
+def gather_rows(src: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """src[slot:slot + n] for each (slot, n) of `runs`, in order, as one contiguous tensor, written into `out`
+    when given (it may lie on another device): slice copies for up to SLICE_COPIES merged ranges, past them
+    one `index_select`."""
+    ranges = merge_runs(runs)
+    if out is None:
+        out = src.new_empty((sum(n for _, n in ranges), *src.shape[1:]))
+    if len(ranges) > SLICE_COPIES:
+        rows = run_rows(ranges).to(src.device)
+        if out.device != src.device:
+            return out.copy_(src.index_select(0, rows))
+        return torch.index_select(src, 0, rows, out=out)
+    first = 0
+    for slot, n in ranges:
+        out[first:first + n].copy_(src[slot:slot + n])
+        first += n
+    return out
 
 
 def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -171,6 +190,11 @@ class KVSender(abc.ABC):
         self._error = error if isinstance(error, TransferError) else TransferError(f"sending KV failed: {error!r}")
         return self._error
 
+    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the sink should gather the next layer's keys and values [shape] (a transport that sends from
+        memory of its own), or None: anywhere."""
+        return None
+
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.send_runs(layer, [(piece.dst_slot, piece.num_tokens)], keys, values)
 
@@ -192,7 +216,7 @@ class KVSender(abc.ABC):
         if not self._pending or self.state is TransferState.FAILED:
             return
         chunks, self._pending = self._pending, []
-        runs = [run for chunk_runs, _, _ in chunks for run in chunk_runs]
+        runs = merge_runs([run for chunk_runs, _, _ in chunks for run in chunk_runs])  # as few as the rows allow
         keys = chunks[0][1] if len(chunks) == 1 else torch.cat([k for _, k, _ in chunks])  # [N, H, D]
         values = chunks[0][2] if len(chunks) == 1 else torch.cat([v for _, _, v in chunks])
         try:

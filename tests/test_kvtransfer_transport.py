@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core import EngineConfig, EngineCore
 from engine.weights import load_checkpoint
-from kvtransfer import grpc_stream, shared_memory
+from kvtransfer import grpc_stream, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
@@ -118,7 +118,7 @@ def test_a_piece_outside_the_reserved_blocks_is_refused(pair):
     outside = max(decode._sequences["r"].block_table) + 1
     sender = sender_class(channel, "r", 0)
     sender.send(0, Piece(0, 0, (0, 2), (0, 2), 0, outside * 16), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
-    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside one block reserved"):
+    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside blocks reserved"):
         sender.finish(timeout_s=10)
 
 
@@ -200,20 +200,66 @@ def test_shared_memory_refuses_a_file_that_is_not_its_own(pair, tmp_path):
 
 
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
-def test_shared_memory_leaves_no_file_behind_whether_a_push_succeeds_or_fails(pair):
+def test_shared_memory_gives_regions_back_after_a_push_and_discards_those_of_failed_ones(pair):
     prefill, decode, channel, _, sender_class = pair
-    before = shm_files()
+    staging = shm_arena.arena()
+    before = staging.taken_bytes
     sink, _, _ = transfer(prefill, decode, channel, "ok", [5 + i for i in range(37)], sender=sender_class)
     sink.finish()
+    assert staging.taken_bytes == before and staging.idle_bytes > 0  # acknowledged: ready for the next push
     refused = sender_class(channel, "ghost", 0)  # no reservation: decode ends the stream at the first piece
-    refused.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+    refused.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.full((1, 2, 32), 7.0), torch.full((1, 2, 32), 7.0))
+    refused.flush()  # staged and sent
+    (region,) = refused._regions
+    assert region.tensor[:256].view(torch.float32).eq(7.0).all()
     with pytest.raises(TransferError, match="NOT_FOUND"):
         refused.finish(timeout_s=10)
+    assert staging.taken_bytes == before and not refused._regions
+    assert not region.tensor.any()  # its pages went back: a late reader sees zeros, not a later push
+    assert all(staging.take(region.size).offset != region.offset for _ in range(3))  # and never handed out again
     unreachable = sender_class(grpc.insecure_channel("127.0.0.1:1"), "r", 0, timeout_s=2)
     with pytest.raises(TransferError):
         unreachable.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
         unreachable.finish(timeout_s=5)
-    assert refused.path and unreachable.path and shm_files() == before
+    assert not unreachable._regions and os.path.exists(unreachable.path)  # the file lives with its process
+
+
+def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_push_not_the_process():
+    shm = os.statvfs(shm_arena.SHM_DIR)
+    too_much = shm.f_bavail * shm.f_frsize + (1 << 30)  # more than /dev/shm has free
+    code = ("import grpc, torch\nfrom kvtransfer import shm_arena, shared_memory\n"
+            "print(shm_arena.arena().path, flush=True)\n"
+            "s = shared_memory.SharedMemorySender(grpc.insecure_channel('127.0.0.1:1'), 'r', 0)\n"
+            f"assert s.layer_buffers(({too_much}, 1, 1), torch.int8) is None  # the sink gathers anywhere\n"
+            f"try:\n    s._take({too_much})\nexcept Exception as e:\n    print(repr(e), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path, error = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert error.startswith(f"TransferError('cannot stage {too_much} bytes of KV in /dev/shm: No space left")
+    assert path.startswith(f"{shm_arena.SHM_DIR}/{shm_arena.PREFIX}") and not os.path.exists(path)
+
+
+def test_size_classes_are_whole_pages_at_most_a_quarter_larger():
+    for nbytes in [1, 4095, 4096, 4097, 5 * 4096 + 1, 1_572_864, 47_185_920, 10**9 + 7]:
+        size = shm_arena.size_class(nbytes)
+        assert size % shm_arena.PAGE == 0 and nbytes <= size <= max(shm_arena.PAGE, 1.25 * nbytes + shm_arena.PAGE)
+    assert len({shm_arena.size_class(n) for n in range(1, 1 << 24, 997)}) <= 4 * 24  # few classes: regions reused
+
+
+@pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
+def test_shared_memory_refuses_an_offset_outside_the_file_or_misaligned(pair):
+    _, decode, channel, _, _ = pair
+    decode.reserve("r", [5] * 10, GREEDY)
+    slot = decode._sequences["r"].block_table[0] * 16
+    path = shm_arena.arena().path
+    for offset in (shm_arena.VIRTUAL_BYTES - 64, 2):
+        piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
+                                     dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path, shm_offset=offset)
+        with pytest.raises(grpc.RpcError) as refused:
+            internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"shm_offset {offset} + 512 bytes is not inside {path}" in refused.value.details()
 
 
 def test_files_of_killed_senders_are_swept_and_live_ones_kept():
