@@ -108,6 +108,8 @@ def paged_attention(
         od, _ = paged_decode_attention(q[: meta.num_decode].contiguous(), k_cache, v_cache,
                                        meta.decode_block_tables, meta.decode_context_lens, scale)
         outputs.append(od)  # [B, Hq, D]
+    elif meta.decode_run is not None and kv_head_map is None and meta.decode_run[1] >= WIDE_MIN_TOKENS:
+        outputs.append(attend_as_one_head(q[0], k_cache, v_cache, *meta.decode_run, scale)[None])  # [1, Hq, D]
     elif meta.num_decode:
         mask = meta.decode_mask
         if meta.decode_run is not None:  # [1, L, Hkv, D] views of the cache: nothing gathered, nothing masked
@@ -141,6 +143,27 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+WIDE_MIN_TOKENS = 2048  # shorter contexts attend faster as Hkv heads (bench/RESULTS.md, session 20)
+
+
+def attend_as_one_head(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first: int, length: int,
+                       scale: float) -> torch.Tensor:
+    """One decode query q [Hq, D] over the `length` cache rows from `first`, as one attention head of width
+    Hkv * D: the cache rows [L, Hkv * D] are contiguous, so SDPA's CPU kernel reads each once, in order
+    (~1.3x faster than over Hkv strided heads at 6,000 tokens). Query head j's row holds its query in its
+    KV head's D columns and zeros elsewhere, so its scores are exactly its own head's, and its output is
+    the block of the wide output under its KV head. Returns [Hq, D]."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_heads, width = q.shape[0], num_kv_heads * head_dim
+    group = num_heads // num_kv_heads
+    k, v = (c.view(-1, width)[None, None, first:first + length] for c in (k_cache, v_cache))  # [1, 1, L, Hkv * D]
+    rows = q.new_zeros(num_kv_heads, group, num_kv_heads, head_dim)  # [Hkv, G, Hkv, D]: head (h, g) in block h
+    rows.diagonal(dim1=0, dim2=2).copy_(q.view(num_kv_heads, group, head_dim).permute(1, 2, 0))  # [G, D, Hkv]
+    out = F.scaled_dot_product_attention(rows.view(1, 1, num_heads, width), k, v, scale=scale)  # [1, 1, Hq, Hkv * D]
+    blocks = out.view(num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=0, dim2=2)  # [G, D, Hkv]
+    return blocks.permute(2, 0, 1).reshape(num_heads, head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

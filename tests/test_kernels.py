@@ -96,11 +96,16 @@ def test_moe_permute_and_combine_match_indexing(dtype):
     assert permute_rows(x, torch.empty(0, dtype=torch.long)).shape == (0, dim)  # nothing routed here
 
 
-@pytest.mark.parametrize("table", [[5, 6, 7], [9, 2, 7]], ids=["blocks in a row", "scattered blocks"])
-def test_torch_decode_attention_over_a_view_or_a_gather_is_exact_attention(table):
-    """One decode sequence whose blocks lie in a row is attended over a view of the cache (no gather): the
-    same attention as over scattered blocks, checked against the reference."""
+@pytest.mark.parametrize("table,wide_from", [([5, 6, 7], 2048), ([5, 6, 7], 1), ([9, 2, 7], 1)],
+                         ids=["blocks in a row", "blocks in a row, as one wide head", "scattered blocks"])
+def test_torch_decode_attention_over_a_view_or_a_gather_is_exact_attention(table, wide_from, monkeypatch):
+    """One decode sequence whose blocks lie in a row is attended over a view of the cache (no gather), from
+    `WIDE_MIN_TOKENS` on as one head of width Hkv * D: the same attention as over scattered blocks, checked
+    against the reference."""
+    from engine import attention
     from engine.attention import build_metadata, paged_attention
+
+    monkeypatch.setattr(attention, "WIDE_MIN_TOKENS", wide_from)
 
     g = torch.Generator().manual_seed(0)
     block_size, heads, kv_heads, head_dim, context = 16, 6, 2, 8, 37
