@@ -7,8 +7,8 @@ the first layer it learns the prompt's blocks and which of them this rank stores
 (its `KVStripe`), and plans this rank's pieces to the decode layout: the ranks'
 stripes partition the prompt, so their plans together cover it exactly once.
 Every layer it copies each destination rank's pieces out of the cache at once
-(one gather of their rows and the rank's head range, into the sender's own memory when it has some:
-`KVSender.layer_buffers`) and sends them; `finish`
+(one gather of their rows and the rank's head range, into the sender's own
+memory when it has some: `KVSender.layer_buffers`) and sends them; `finish`
 waits for every destination's acknowledgement. It never raises into the engine
 step: a destination that fails is skipped from then on and `finish` raises its
 TransferError.
