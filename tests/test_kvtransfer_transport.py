@@ -240,6 +240,28 @@ def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_pus
     assert path.startswith(f"{shm_arena.SHM_DIR}/{shm_arena.PREFIX}") and not os.path.exists(path)
 
 
+def test_decode_drops_the_mapping_of_a_killed_sender_and_the_next_sender_sweeps_its_file():
+    code = ("import sys, time\nfrom kvtransfer import shm_arena\na = shm_arena.arena()\n"
+            "a.take(1 << 20).tensor.fill_(7)\nprint(a.path, flush=True)\ntime.sleep(60)\n")
+    sender = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = sender.stdout.readline().strip()
+    service = shared_memory.SharedMemoryService(receiver=None)
+    try:
+        assert service._file(path)[:16].eq(7).all()  # decode maps a live sender's staging file
+        sender.kill()  # the prefill process dies (SIGKILL: no exit handler unlinks its file)
+        sender.wait()
+        assert os.path.exists(path)
+        service._file(shm_arena.arena().path)  # the next sender decode hears from
+        assert path not in service._files  # the dead one's mapping is gone: its pages can go back
+        shared_memory.Dialer(0, 1, links=None)  # a sender starting on this host sweeps
+        assert not os.path.exists(path)
+    finally:
+        sender.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_size_classes_are_whole_pages_at_most_a_quarter_larger():
     for nbytes in [1, 4095, 4096, 4097, 5 * 4096 + 1, 1_572_864, 47_185_920, 10**9 + 7]:
         size = shm_arena.size_class(nbytes)
