@@ -7,7 +7,8 @@ layer's `KVPiece` names the file and the offset. The decode rank maps the file r
 and copies each layer from there into its cache through the same checks as every transport
 (`KVReceiver`): one copy on each side, no serialisation, no page faults once the arena is warm. The
 regions go back to the arena when decode acknowledged the push; a failed push's regions are discarded
-(their pages freed, their offsets never reused), so a late reader sees zeros, never another push.
+(their pages freed, their offsets not reused for ten minutes), so a late reader sees zeros, not another
+push.
 
 The staging file is named after its process and unlinked when the process exits; one whose process was
 killed is removed by the next sender on the host (`sweep`). A path that is not one of ours in /dev/shm
@@ -81,7 +82,7 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
     def finish(self, timeout_s: float = 60.0):
         try:
             return super().finish(timeout_s)
-        finally:  # acknowledged: the regions serve the next push; failed: decode may still read, so never reuse
+        finally:  # acknowledged: the regions serve the next push; failed: decode may still read, so quarantine
             keep = self.state is TransferState.DONE
             for region in self._regions:
                 (arena().give_back if keep else arena().discard)(region)

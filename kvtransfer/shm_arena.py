@@ -5,13 +5,14 @@ page costs a fault on first touch: writing 64 MB into new pages takes ~5x as lon
     region = arena().take(nbytes)      # fresh pages are reserved with posix_fallocate: a full /dev/shm
     region.tensor                      #   is an OSError here, never a SIGBUS later
     arena().give_back(region)          # the push was acknowledged: the region serves the next one
-    arena().discard(region)            # the push failed: its pages go back to the host, its bytes are
-                                       #   never handed out again (a late reader sees zeros, not another push)
+    arena().discard(region)            # the push failed: its pages go back to the host, its bytes are not
+                                       #   handed out for QUARANTINE_S (a late reader sees zeros, not another push)
 
 The file is sparse (`VIRTUAL_BYTES`, only what was taken holds memory) and named `PREFIX<pid>-...`; it is
 unlinked when the process exits, and `shared_memory.sweep` removes one whose process was killed. Regions
 come in size classes (four per doubling, whole pages), each with a free list; freed regions beyond
-`POOL_BYTES` of idle memory give their pages back. Thread-safe; a forked child makes its own arena.
+`POOL_BYTES` of idle memory give their pages back (and are reserved again when reused), so the file's
+offsets stay bounded by the pushes in flight. Thread-safe; a forked child makes its own arena.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "infermesh-kv-"
 VIRTUAL_BYTES = 1 << 38  # address space only (256 GiB): tmpfs allocates a page when it is reserved or written
 POOL_BYTES = 1 << 30  # idle regions kept ready up to this; the rest give their pages back
+QUARANTINE_S = 600.0  # a failed push's region is not handed out again before every reader's deadline is past
 PAGE = mmap.PAGESIZE
 
 
@@ -62,9 +65,11 @@ class Arena:
             os.unlink(self.path)
             raise
         self._fd = fd
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [VIRTUAL_BYTES], no copy
+        with torch.inference_mode(False):  # a normal tensor, written inside and outside the engine's step
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [VIRTUAL_BYTES], no copy
         self.base = self._bytes.data_ptr()
         self._free: dict[int, list[int]] = {}  # size class -> offsets of idle regions with their pages
+        self._cold: dict[int, list[tuple[float, int]]] = {}  # size class -> (reusable from, offset), pages freed
         self._end = 0  # bytes ever handed out: regions lie below it
         self.idle_bytes = self.taken_bytes = 0
         self._lock = threading.Lock()
@@ -72,24 +77,34 @@ class Arena:
     def take(self, nbytes: int) -> Region:
         size = size_class(nbytes)
         with self._lock:
-            idle = self._free.get(size)
-            if idle:
-                offset = idle.pop()
+            if self._free.get(size):
+                offset = self._free[size].pop()
                 self.idle_bytes -= size
             else:
-                offset = self._end
-                if offset + size > VIRTUAL_BYTES:
-                    raise OSError(errno.ENOSPC, f"No space left in the staging file's {VIRTUAL_BYTES} bytes")
+                offset = self._reusable(size)
+                if offset is None:
+                    offset = self._end
+                    if offset + size > VIRTUAL_BYTES:
+                        raise OSError(errno.ENOSPC, f"No space left in the staging file's {VIRTUAL_BYTES} bytes")
                 os.posix_fallocate(self._fd, offset, size)  # OSError (ENOSPC) when /dev/shm is full
-                self._end += size
+                self._end = max(self._end, offset + size)
             self.taken_bytes += size
         return Region(offset, size, self._bytes[offset:offset + size])
+
+    def _reusable(self, size: int) -> int | None:
+        """A region of this class whose pages were freed and whose quarantine is over, taken off the list."""
+        cold, now = self._cold.get(size, []), time.monotonic()
+        for i, (reusable_from, offset) in enumerate(cold):
+            if reusable_from <= now:
+                del cold[i]
+                return offset
+        return None
 
     def give_back(self, region: Region) -> None:
         with self._lock:
             self.taken_bytes -= region.size
             if self.idle_bytes + region.size > POOL_BYTES:
-                self._release(region)
+                self._release(region, 0.0)
                 return
             self._free.setdefault(region.size, []).append(region.offset)
             self.idle_bytes += region.size
@@ -97,11 +112,12 @@ class Arena:
     def discard(self, region: Region) -> None:
         with self._lock:
             self.taken_bytes -= region.size
-            self._release(region)
+            self._release(region, QUARANTINE_S)
 
-    def _release(self, region: Region) -> None:
-        """Give the region's pages back to the host; its offsets are never handed out again."""
+    def _release(self, region: Region, quarantine_s: float) -> None:
+        """Give the region's pages back to the host; its offsets serve again `quarantine_s` from now."""
         self._map.madvise(mmap.MADV_REMOVE, region.offset, region.size)
+        self._cold.setdefault(region.size, []).append((time.monotonic() + quarantine_s, region.offset))
 
     def owns(self, tensor: torch.Tensor) -> int | None:
         """The offset of a host tensor that lies in this arena's mapping, else None."""

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -216,7 +217,7 @@ def test_shared_memory_gives_regions_back_after_a_push_and_discards_those_of_fai
         refused.finish(timeout_s=10)
     assert staging.taken_bytes == before and not refused._regions
     assert not region.tensor.any()  # its pages went back: a late reader sees zeros, not a later push
-    assert all(staging.take(region.size).offset != region.offset for _ in range(3))  # and never handed out again
+    assert all(staging.take(region.size).offset != region.offset for _ in range(3))  # nor handed out again soon
     unreachable = sender_class(grpc.insecure_channel("127.0.0.1:1"), "r", 0, timeout_s=2)
     with pytest.raises(TransferError):
         unreachable.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
@@ -260,6 +261,26 @@ def test_decode_drops_the_mapping_of_a_killed_sender_and_the_next_sender_sweeps_
         sender.kill()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_regions_past_the_pool_give_their_pages_back_and_serve_again_a_failed_one_after_its_quarantine(monkeypatch):
+    staging, size = shm_arena.arena(), 7 * 1024 * shm_arena.PAGE  # a class no other test takes
+    monkeypatch.setattr(shm_arena, "POOL_BYTES", 0)
+    monkeypatch.setattr(shm_arena, "QUARANTINE_S", 0.5)
+    first = staging.take(size)
+    first.tensor.fill_(5)
+    staging.give_back(first)  # past the pool
+    assert not first.tensor.any()  # its pages went back to the host
+    again = staging.take(size)
+    assert again.offset == first.offset  # its offsets serve again: the file does not grow
+    staging.discard(again)  # a failed push's: quarantined
+    other = staging.take(size)
+    assert other.offset != first.offset
+    time.sleep(0.6)
+    after = staging.take(size)
+    assert after.offset == first.offset and not after.tensor.any()
+    for region in (other, after):
+        staging.give_back(region)
 
 
 def test_size_classes_are_whole_pages_at_most_a_quarter_larger():
