@@ -81,12 +81,17 @@ class Arena:
                 offset = self._free[size].pop()
                 self.idle_bytes -= size
             else:
-                offset = self._reusable(size)
+                reused = offset = self._reusable(size)
                 if offset is None:
                     offset = self._end
                     if offset + size > VIRTUAL_BYTES:
                         raise OSError(errno.ENOSPC, f"No space left in the staging file's {VIRTUAL_BYTES} bytes")
-                os.posix_fallocate(self._fd, offset, size)  # OSError (ENOSPC) when /dev/shm is full
+                try:
+                    os.posix_fallocate(self._fd, offset, size)  # OSError (ENOSPC) when /dev/shm is full
+                except OSError:
+                    if reused is not None:  # still free, pages and all gone: it serves a later take
+                        self._cold[size].append((0.0, reused))
+                    raise
                 self._end = max(self._end, offset + size)
             self.taken_bytes += size
         return Region(offset, size, self._bytes[offset:offset + size])
