@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from engine.threads import off_the_engine_thread
 from kvtransfer import transports
 from kvtransfer.transport import KVReceiver
 from mesh import rpc
@@ -55,7 +56,7 @@ class KVFollower:
 
     def __init__(self, rank: int, store, runner, host: str, ranks: int, shared: dict[str, str | None]) -> None:
         self.view = ReservationView(store)
-        self.links = rpc.Links(host)
+        self.links = rpc.Links(host, thread_init=off_the_engine_thread)
         receiver = KVReceiver(runner.kv_cache, self.view.get, self.view.lock)
         self.endpoints = open_endpoints(rank, ranks, receiver, self.links, shared)
         for name, endpoint in self.endpoints.items():

@@ -25,6 +25,7 @@ from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.launcher import Rendezvous
 from engine.parallel.tp import head_shard
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.threads import off_the_engine_thread
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.grpc_stream import WIRE_DTYPES
@@ -113,6 +114,7 @@ class DecodeInstance(Instance):
     """A decode instance: TP ranks with an engine thread, KV endpoints, the gRPC shell."""
 
     role = Role.DECODE
+    rpc_thread_init = staticmethod(off_the_engine_thread)  # handlers writing pushed KV leave the engine its cores
 
     def __init__(self, settings: DecodeSettings, instance_id: str | None = None,
                  registry: Registry | None = None) -> None:
@@ -135,7 +137,7 @@ class DecodeInstance(Instance):
         self.metrics.gauges(engine.load, ENGINE_LOAD)
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")
-        self.links = rpc.Links(s.host)
+        self.links = rpc.Links(s.host, thread_init=off_the_engine_thread)
         receiver = KVReceiver(engine.kv_cache, self.core.reserved, self.core.kv_lock)
         self.endpoints = open_endpoints(0, s.tp, receiver, self.links, shared)
         self.kv_endpoints = {name: [e.address, *(store.get(endpoint_key(name, r)).decode() for r in range(1, s.tp))]

@@ -23,6 +23,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+import torch
+
 from engine.core import EngineCore, StepOutput
 from engine.errors import Draining, PeerFailed
 
@@ -38,6 +40,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._finished = threading.Event()  # the loop has returned for good (stopped or failed)
         self._runner: threading.Thread | None = None  # the thread the loop runs on
+        self.threads = torch.get_num_threads()  # the creating thread's intra-op threads: the loop's, wherever it runs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -75,6 +78,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         self._runner = threading.current_thread()
+        torch.set_num_threads(self.threads)  # a new thread would take the count last set anywhere (engine.threads)
         moved = False
         try:
             moved = self._loop() is _MOVE

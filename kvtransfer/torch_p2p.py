@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from engine.errors import NoReservation
+from engine.threads import off_the_engine_thread
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 
 TAG_DESCRIPTOR, TAG_HEADER, TAG_PAYLOAD, TAG_ACK = 1, 2, 3, 4
@@ -156,6 +157,7 @@ class TorchP2PReceiver:
             return self._done.wait_for(lambda: all(k in self.completed for k in keys), timeout=timeout_s)
 
     def _loop(self) -> None:
+        off_the_engine_thread()  # its copies into the cache must not take the engine's intra-op threads
         try:
             while True:
                 self._receive_one()

@@ -187,6 +187,8 @@ def up(
     metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
+    cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
+                                           "(by ranks); shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
     admin_token: str = typer.Option("", envvar="INFERMESH_ADMIN_TOKEN", show_default=False,
                                     help="Scale and drain need this bearer token (prefer the variable)."),
@@ -195,7 +197,7 @@ def up(
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
-                metrics=metrics, dtype=dtype, quantization=quantization, admin_token=admin_token)
+                metrics=metrics, dtype=dtype, quantization=quantization, cpus=cpus, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():
@@ -262,11 +264,12 @@ def rank(
     """Run ranks of an instance whose rank 0 runs elsewhere (a LeaderWorkerSet worker); exit when they do."""
     import os
 
+    from engine.cpus import available_cores
     from engine.parallel.launcher import spawn_rank
 
     if rank < 1 or count < 1:
         _fail(f"need --rank >= 1 (rank 0 hosts the rendezvous) and --count >= 1, got {rank} and {count}")
-    threads = max(1, (os.cpu_count() or 1) // count)
+    threads = max(1, len(available_cores()) // count)
     processes = [spawn_rank(join, r, host, threads, os.getpid()) for r in range(rank, rank + count)]
     codes = [p.wait() for p in processes]
     raise typer.Exit(code=next((c for c in codes if c), 0))

@@ -49,6 +49,7 @@ class Instance:
     role: Role
     max_request_bytes = rpc.MAX_MESSAGE_BYTES  # the largest request its gRPC server takes
     client_certs = True  # with TLS on: only peers with the mesh's certificates may call it
+    rpc_thread_init: Callable[[], None] | None = None  # first on each gRPC thread (an engine's host: torch on one)
 
     def __init__(self, settings: ServiceSettings, instance_id: str | None = None,
                  registry: Registry | None = None) -> None:
@@ -94,7 +95,8 @@ class Instance:
         self.server, port, self.health = rpc.start_server(s.bind_host or s.host, s.port, [*services, admin],
                                                           serving=False, max_request_bytes=self.max_request_bytes,
                                                           max_concurrent_rpcs=s.max_concurrent_rpcs,
-                                                          client_certs=self.client_certs)
+                                                          client_certs=self.client_certs,
+                                                          thread_init=self.rpc_thread_init)
         self.address = f"{s.host}:{port}"
         if s.health_port is not None:
             self.health_server, _ = rpc.start_health_server(s.bind_host or s.host, s.health_port, self.health)

@@ -55,13 +55,15 @@ def _status(serving: bool) -> int:
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS, max_request_bytes: int = MAX_MESSAGE_BYTES,
-                 client_certs: bool = True) -> tuple[grpc.Server, int, Health]:
+                 client_certs: bool = True, thread_init: Callable[[], None] | None = None
+                 ) -> tuple[grpc.Server, int, Health]:
     """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves).
     Each RPC runs on a thread of its own (started when needed), a stream for its whole life: at most
     `max_concurrent_rpcs` at once, the next is refused with RESOURCE_EXHAUSTED rather than queued.
     A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes).
-    With TLS on (`mesh.tls`) the port speaks TLS and, with `client_certs`, takes only the mesh's certificates."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs),
+    With TLS on (`mesh.tls`) the port speaks TLS and, with `client_certs`, takes only the mesh's certificates.
+    `thread_init` runs first on each of the server's threads (`engine.threads.off_the_engine_thread`)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, initializer=thread_init),
                          interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
                          options=[("grpc.max_receive_message_length", max_request_bytes),
                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -128,8 +130,8 @@ class Links:
     """What a service lends the KV transports it hosts (`kvtransfer.transports`): pooled channels to peers,
     and gRPC servers of its own on `host`; `close()` closes and stops them all."""
 
-    def __init__(self, host: str) -> None:
-        self.host = host
+    def __init__(self, host: str, thread_init: Callable[[], None] | None = None) -> None:
+        self.host, self.thread_init = host, thread_init  # run first on each thread of the servers it starts
         self._channels = ChannelPool()
         self._servers: list[grpc.Server] = []
 
@@ -138,7 +140,7 @@ class Links:
 
     def serve(self, services: Sequence[tuple[Callable, object, str]]) -> str:
         """Start a server with `services` on any free port of `host`; its address."""
-        server, port, _ = start_server(self.host, 0, services)
+        server, port, _ = start_server(self.host, 0, services, thread_init=self.thread_init)
         self._servers.append(server)
         return f"{self.host}:{port}"
 

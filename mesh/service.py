@@ -64,6 +64,11 @@ def serve(role: str, settings_class, start, argv: list[str] | None = None) -> No
     if "INFERMESH_PARENT_PID" in os.environ:  # started by `infermesh up`: die with it, even if it is killed
         die_with_parent(int(os.environ["INFERMESH_PARENT_PID"]))
     settings = load(settings_class, parse_flags(settings_class, argv))
+    if getattr(settings, "cpus", ""):  # an engine instance handed cores of its own (`infermesh up`)
+        from engine.cpus import parse_cpus
+        from engine.threads import pin
+
+        pin(parse_cpus(settings.cpus))
     setup_tracing(settings.trace, role)
     instance = start(settings)
     http = instance.record().http_address

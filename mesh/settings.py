@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 
 from engine.config import check_quantization
+from engine.cpus import parse_cpus
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -59,9 +60,12 @@ class RankedSettings(ServiceSettings):
     dtype: str = "bfloat16"
     rendezvous_port: int = 0  # 0: any free port (fix it when ranks join from other hosts)
     local_ranks: int | None = None
+    cpus: str = ""  # the cores its local ranks run on, e.g. 0-3 (engine.cpus); "": every core the process may use
 
     def __post_init__(self) -> None:
         super(RankedSettings, self).__post_init__()
+        if self.cpus:
+            parse_cpus(self.cpus)
         if not 0 <= self.rendezvous_port < 65536:
             raise ValueError(f"rendezvous_port must be in [0, 65535], got {self.rendezvous_port}")
         if self.local_ranks is not None and self.local_ranks < 1:

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.cpus import available_cores, format_cpus, share
 from engine.errors import RequestError, Unsupported
 from mesh import auth, rpc
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
@@ -63,6 +64,7 @@ class MeshSpec:
     dtype: str = "bfloat16"
     quantization: str = "none"  # or int8 (prefill and decode weights)
     kv_cache_bytes: int = 1 << 30
+    cpus: str = "split"  # split: each engine instance its own share of this host's cores (engine.cpus); shared
     startup_timeout_s: float = 300.0
     admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
 
@@ -73,6 +75,8 @@ class MeshSpec:
             raise ValueError(f"prefill must be >= 0, got {self.prefill}")
         if self.experts < 0 or self.expert_ep < 1:
             raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
+        if self.cpus not in ("split", "shared"):
+            raise ValueError(f"cpus must be split or shared, got {self.cpus!r}")
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Supervisor:
         self._numbers = {role: itertools.count() for role in SCALABLE}  # names: prefill-0, prefill-1, ...
         self._attached = itertools.count()  # instances attach to the expert instances round-robin
         self._experts: list[str] = []
+        self._cores: dict[Role, list[list[int]]] = {}  # role -> each planned instance's cores (cpus=split)
 
     def start(self) -> str:
         """Start everything and wait until it serves; returns the router's address."""
@@ -120,10 +125,11 @@ class Supervisor:
         engine = ["--dtype", s.dtype, "--quantization", s.quantization, "--kv-cache-bytes", str(s.kv_cache_bytes)]
         self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)]),
                           Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}
+        self._cores = self._plan_cores()
         try:
             for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
                 self._spawn(f"expert-{i}", Role.EXPERT, "expert_svc.server",
-                            common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)])
+                            common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)] + self._cpus(Role.EXPERT, i))
             if s.experts:
                 self._experts = [e.address for e in self._wait_for({Role.EXPERT: s.experts}, returning=Role.EXPERT)]
             for role, count in ((Role.PREFILL, s.prefill), (Role.DECODE, s.decode)):
@@ -144,10 +150,30 @@ class Supervisor:
             raise
         return self.router_address
 
+    def _plan_cores(self) -> dict[Role, list[list[int]]]:
+        """cpus=split: this host's cores shared among the engine instances by their ranks (decode first: the
+        rounding favours it); cpus=shared: none planned, every instance may use every core."""
+        s = self.spec
+        if s.cpus == "shared":
+            return {}
+        instances = ([(Role.DECODE, s.decode_tp)] * s.decode + [(Role.PREFILL, s.prefill_cp)] * s.prefill
+                     + [(Role.EXPERT, s.expert_ep)] * s.experts)
+        plan: dict[Role, list[list[int]]] = {}
+        for (role, _), cores in zip(instances, share(available_cores(), [ranks for _, ranks in instances])):
+            plan.setdefault(role, []).append(cores)
+        return plan
+
+    def _cpus(self, role: Role, number: int) -> list[str]:
+        """The --cpus flag of the role's instance `number`; one started by `scale` past the plan shares the
+        cores of a planned instance of its role in turn (a role planned with none: every core)."""
+        planned = self._cores.get(role)
+        return ["--cpus", format_cpus(planned[number % len(planned)])] if planned else []
+
     def _spawn_instance(self, role: Role) -> Child:
         module, args = self._commands[role]
         attach = ["--experts", self._experts[next(self._attached) % len(self._experts)]] if self._experts else []
-        return self._spawn(f"{role.value}-{next(self._numbers[role])}", role, module, args + attach)
+        number = next(self._numbers[role])
+        return self._spawn(f"{role.value}-{number}", role, module, args + attach + self._cpus(role, number))
 
     def _environment(self) -> dict[str, str]:
         """A child's: this process's, its parent pid, the admin token (never on a command line, where ps shows it)."""

@@ -22,6 +22,7 @@ from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.cp_choice import CPMethod
 from engine.parallel.launcher import Rendezvous
 from engine.sampling_params import SamplingParams
+from engine.threads import off_the_engine_thread
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
@@ -104,6 +105,7 @@ class PrefillInstance(Instance):
     """A prefill instance: CP ranks with an engine thread, KV pushes from every rank, the gRPC shell."""
 
     role = Role.PREFILL
+    rpc_thread_init = staticmethod(off_the_engine_thread)
 
     def __init__(self, settings: PrefillSettings, instance_id: str | None = None,
                  registry: Registry | None = None) -> None:

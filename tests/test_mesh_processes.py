@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cpus import available_cores, parse_cpus, share
 from tests.conftest import TINY_VOCAB
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import GREEDY, generate
@@ -66,6 +67,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def cores_of(pid: int) -> set[int]:
+    """The cores any thread of `pid` may run on."""
+    return {core for task in Path(f"/proc/{pid}/task").iterdir()
+            for core in parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])}
+
+
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
@@ -93,6 +100,12 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert roles == ["decode", "prefill", "router", "supervisor"]  # `up` registers itself too
         parallel = {i["role"]: i["parallel"] for i in status["instances"]}
         assert parallel["decode"] == {"tp": 2, "cp": 1, "ep": 1} and parallel["prefill"] == {"tp": 1, "cp": 2, "ep": 1}
+        # --cpus split (the default): decode and prefill on their own shares of the cores, their ranks with them
+        pid = {i["role"]: i["pid"] for i in status["instances"]}
+        expected = dict(zip(("decode", "prefill"), map(set, share(available_cores(), [2, 2]))))
+        assert {role: cores_of(pid[role]) for role in expected} == expected
+        assert {role: set().union(*map(cores_of, descendants(pid[role]))) for role in expected} == expected
+        assert cores_of(pid["router"]) == set(available_cores())  # not an engine: it runs where it may
         reference = LLM(str(folder), dtype="float32")
         prompt = "the quick brown fox jumps over the lazy dog " * 8  # disaggregated
         out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")
@@ -157,9 +170,10 @@ def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason
 def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     spans_file = tmp_path / "spans.jsonl"
-    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--prefill-cp", "2")
+    proc, address = start_mesh(str(folder), "--trace", f"file:{spans_file}", "--prefill-cp", "2", "--cpus", "shared")
     pids = [i["pid"] for i in started(address)]
     try:
+        assert all(cores_of(pid) == set(available_cores()) for pid in pids)  # shared: every core for every process
         out = cli("generate", "the quick brown fox jumps over the lazy dog " * 8, "--target", address,
                   "--max-tokens", "4")
         assert out.returncode == 0, out.stderr

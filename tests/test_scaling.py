@@ -14,7 +14,7 @@ from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 from tests.test_lifecycle import wait_until
-from tests.test_mesh_processes import assert_exited, cli, start_mesh, started, stop_mesh
+from tests.test_mesh_processes import assert_exited, cli, cores_of, start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
 
 
@@ -67,6 +67,8 @@ def test_scaling_decode_up_and_down_and_prefill_to_zero_loses_no_request(tiny_ch
         assert started in [d["id"] for d in decodes] and len(decodes) == 2
         assert all(d["state"] == "serving" for d in decodes)
         new_pid = next(d["pid"] for d in decodes if d["id"] == started)
+        first_pid = next(d["pid"] for d in decodes if d["id"] != started)
+        assert cores_of(new_pid) == cores_of(first_pid)  # past the plan: it shares the planned decode's cores
         wait_until(lambda: next(d["total_requests"] for d in instances(address, "decode") if d["id"] == started) > 0,
                    timeout_s=60)  # the new instance gets traffic
         down = cli("scale", "decode", "1", "--target", address)

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine.cpus import available_cores
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
 from engine.parallel.groups import IDLE, hosted_store, stateless_group
 from engine.parallel.lifetime import die_with_parent
@@ -112,7 +113,7 @@ class RankGroup:
         self.store = hosted_store(rendezvous.host, rendezvous.port, timeout, world)
         self.address = f"{rendezvous.host}:{self.store.port}"
         self.store.set("follower", pickle.dumps((follower, follower_args, config, timeout)))
-        threads = max(1, (os.cpu_count() or 1) // local)
+        threads = max(1, len(available_cores()) // local)  # the ranks of a host split its cores
         self.processes = {rank: spawn_rank(self.address, rank, rendezvous.host, threads, os.getpid())
                           for rank in range(1, local)}
         self._finalizer = weakref.finalize(self, _stop, list(self.processes.values()))
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, help="HOST:PORT of the instance's rendezvous (its rank 0)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="the address this rank binds")
-    parser.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    parser.add_argument("--threads", type=int, default=len(available_cores()))
     parser.add_argument("--parent", type=int, default=None, help="die with this process")
     args = parser.parse_args(argv)
     run_rank(args.join, args.rank, args.host, args.threads, args.parent)
