@@ -7,7 +7,8 @@ the paged cache grows with the context (the long-context goal of #13 is batch 1 
 A case BxL runs B sequences whose prompts are L tokens, prefills them, then times `--steps` decode
 steps (every sequence has its first token by then). Prints a markdown table. `--mesh` then sends each
 batch-1 case's prompt once through `infermesh up`, prefilled on decode and by a CP=2 prefill instance
-that pushes the KV to decode, and reports decode tok/s after the first token (the router's timings).
+that pushes the KV to decode (the host's cores split between the instances, the default, and shared),
+and reports decode tok/s after the first token (the router's timings).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from engine.weights import load_checkpoint  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
-MESH_LAYOUTS = {"prefilled on decode": ("--prefill", "0"),
-                "CP=2 prefill -> decode": ("--prefill", "1", "--prefill-cp", "2", "--local-prefill-max-tokens", "0")}
+CP2 = ("--prefill", "1", "--prefill-cp", "2", "--local-prefill-max-tokens", "0")
+MESH_LAYOUTS = {"prefilled on decode": ("--prefill", "0"), "CP=2 prefill -> decode": CP2,
+                "the same, cores shared": (*CP2, "--cpus", "shared")}
 
 
 def prompt(context: int, i: int = 0) -> list[int]:

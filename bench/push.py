@@ -2,14 +2,15 @@
 2,048-token prompt (no prefix hits), one token out, through `infermesh up` started per layout:
 
     prefilled on decode      --prefill 0: no KV moves
-    prefill + decode, T      --prefill 1 --local-prefill-max-tokens 0 --kv-transport T, for each transport
+    prefill + decode, T      --prefill 1 --local-prefill-max-tokens 0 --kv-transport T --cpus shared,
+                             for each transport
 
     python bench/push.py [--prompt-tokens 2048] [--requests 10] [--transports ...] [--quick]
 
-With one request in flight, the prefill instance has the cores to itself while it computes, as decode
-does in the first layout, so the TTFT difference is the disaggregated path's own cost: reserve, the
-push (layer by layer, overlapped with the prefill), the join and the extra hops. Prints TTFT p50 per
-layout and the ratio to the first.
+With one request in flight and the cores shared (not split between the instances), the prefill instance
+has them all while it computes, as decode does in the first layout, so the TTFT difference is the
+disaggregated path's own cost: reserve, the push (layer by layer, overlapped with the prefill), the join
+and the extra hops. Prints TTFT p50 per layout and the ratio to the first.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
     layouts = {"prefilled on decode": ["--prefill", "0"]}
     for transport in args.transports:
         layouts[f"prefill + decode, {transport}"] = ["--prefill", "1", "--local-prefill-max-tokens", "0",
-                                                     "--kv-transport", transport]
+                                                     "--kv-transport", transport, "--cpus", "shared"]
     print(f"\n{tokens}-token prompts, one at a time, {requests} timed each, {args.dtype}\n")
     print("| layout | TTFT p50 s | min s | / prefilled on decode |\n|---|---|---|---|")
     base = None
