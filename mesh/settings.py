@@ -117,6 +117,7 @@ class RouterSettings(ServiceSettings):
     request_timeout_s: float = 300.0
     kv_transport: str = "grpc_stream"  # how prefill pushes KV to decode: a name in kvtransfer.transports
     migration_limit: int = 3  # times one stream may move to another decode instance when its own dies
+    registry_refresh_s: float = 0.25  # routing reads the registry from a snapshot this old at most while requests flow
     shed_active_requests: int = 256  # a decode instance with this many requests has no room (with free KV blocks)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
     # when set, the public API (gRPC and HTTP) needs `authorization: Bearer <token>`; never shown in a repr
@@ -126,6 +127,8 @@ class RouterSettings(ServiceSettings):
         super(RouterSettings, self).__post_init__()
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.registry_refresh_s <= 0:
+            raise ValueError(f"registry_refresh_s must be > 0, got {self.registry_refresh_s}")
         if self.shed_active_requests < 1:
             raise ValueError(f"shed_active_requests must be >= 1, got {self.shed_active_requests}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

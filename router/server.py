@@ -14,7 +14,7 @@ import uuid
 from mesh.auth import bearer
 from mesh.instance import Instance
 from mesh.registry import InstanceState, Registry, Role
-from mesh.registry.last_known import LastKnown
+from mesh.registry.snapshot import Snapshot
 from mesh.service import serve
 from mesh.settings import RouterSettings
 from protos.infermesh.v1 import inference_pb2, inference_pb2_grpc
@@ -59,7 +59,9 @@ class RouterInstance(Instance):
 
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         super().__init__(settings, registry=registry)
-        self.core = RouterCore(settings, LastKnown(self.registry), self.admit, self.metrics)  # survives outages
+        # routing reads the registry from memory, refreshed as requests come, and survives outages
+        self.core = RouterCore(settings, Snapshot(self.registry, settings.registry_refresh_s), self.admit,
+                               self.metrics)
         self.http = None
         if settings.http_port is not None:
             self.http = HttpFront(self.core, settings.host, settings.http_port, bind_host=settings.bind_host,

@@ -1,4 +1,5 @@
-"""The registry contract, passed by both implementations: in-memory, and Redis (a real redis-server)."""
+"""The registry contract, passed by every implementation: in-memory, Redis (a real redis-server), the
+in-memory one served over gRPC, and the router's snapshot of one."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import pytest
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 
 
-@pytest.fixture(params=["memory", "redis", "grpc"])
+@pytest.fixture(params=["memory", "redis", "grpc", "snapshot"])
 def registry(request):
     if request.param == "memory":
         reg = connect_registry("memory")
+    elif request.param == "snapshot":  # the router's: read on every call (stale at once), hits counted in memory
+        from mesh.registry.snapshot import Snapshot
+
+        reg = Snapshot(connect_registry("memory"), stale_s=0.0)
     elif request.param == "grpc":  # a memory registry served over gRPC, as `infermesh up` does
         from mesh.registry.memory import MemoryRegistry
         from mesh.registry.remote import RegistryService
@@ -98,3 +103,12 @@ def test_instances_and_hits_read_together_equal_the_two_reads(registry):
     assert registry.instances_and_hits([]) == (registry.instances(), {})  # no hits to read for no blocks
     registry.deregister("d1")
     assert registry.instances_and_hits([11]) == ([info("p1", Role.PREFILL)], {"p1": 0})
+
+
+def test_a_snapshot_holds_every_instance_and_the_block_hashes_each_holds(registry):
+    registry.register(info("d1"), ttl_s=30)
+    registry.register(info("p1", Role.PREFILL), ttl_s=30)
+    registry.set_block_hashes("d1", {11, 2**64 - 1}, ttl_s=30)  # the full fixed64 range
+    assert registry.snapshot() == (registry.instances(), {"d1": frozenset({11, 2**64 - 1}), "p1": frozenset()})
+    registry.deregister("d1")
+    assert registry.snapshot() == ([info("p1", Role.PREFILL)], {"p1": frozenset()})

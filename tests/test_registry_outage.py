@@ -1,7 +1,9 @@
 """Redis, the registry across hosts, killed (SIGKILL) under a serving mesh and started again empty on the
 same port: during the outage the router routes on the last instances it read and every request is served
 with the engine's tokens; once Redis is back, every instance has registered again by its heartbeat and
-the mesh serves on. Real redis-server, real gRPC instances."""
+the mesh serves on. Real redis-server, real gRPC instances. And the router's snapshot of the registry
+(`mesh.registry.snapshot`): answered from memory, read again behind the requests, read on the request
+when it has no serving decode instance, kept through an outage."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pytest
 from decode_svc.server import DecodeInstance
 from engine import LLM
 from engine.errors import Unavailable
-from mesh.registry import InstanceInfo, MemoryRegistry, Role, connect_registry
-from mesh.registry.last_known import LastKnown
+from mesh.registry import InstanceInfo, InstanceState, MemoryRegistry, Role, connect_registry
+from mesh.registry.snapshot import Snapshot
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from router.server import RouterInstance
@@ -54,36 +56,70 @@ def test_the_mesh_serves_through_a_redis_restart_and_registers_again(tiny_checkp
         redis_process.wait()
 
 
+class Counting(MemoryRegistry):
+    """A memory registry that counts the snapshots asked of it and can be down."""
+
+    reads = 0
+    down = False
+
+    def snapshot(self):
+        self.reads += 1
+        if self.down:
+            raise ConnectionError("connection refused")
+        return super().snapshot()
+
+
+def decode(iid: str, state: InstanceState = InstanceState.SERVING) -> InstanceInfo:
+    return InstanceInfo(id=iid, role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m", state=state)
+
+
+def test_the_router_routes_from_memory_and_reads_the_registry_again_in_the_background():
+    registry = Counting()
+    registry.register(decode("d1"), ttl_s=30)
+    registry.set_block_hashes("d1", {5, 6}, ttl_s=30)
+    view = Snapshot(registry, refresh_s=60)
+    assert view.instances_and_hits([5, 7]) == ([decode("d1")], {"d1": 1}) and registry.reads == 1
+    registry.register(decode("d2"), ttl_s=30)
+    for _ in range(20):  # a request's reads come from memory while the snapshot is younger than refresh_s
+        assert [i.id for i in view.instances()] == ["d1"]
+    assert registry.reads == 1
+
+    eager = Snapshot(registry, refresh_s=1e-9)
+    assert [i.id for i in eager.instances()] == ["d1", "d2"]  # the first read, on the request's path
+    registry.register(decode("d3"), ttl_s=30)
+    assert [i.id for i in eager.instances()] == ["d1", "d2"]  # answered at once; the new read runs behind it
+    wait_until(lambda: [i.id for i in eager.instances()] == ["d1", "d2", "d3"])
+
+
+def test_a_snapshot_without_a_serving_decode_instance_is_read_again_on_the_request():
+    registry = Counting()
+    registry.register(decode("d1", InstanceState.DRAINING), ttl_s=30)
+    view = Snapshot(registry, refresh_s=60)
+    assert [i.state for i in view.instances()] == [InstanceState.DRAINING]
+    registry.register(decode("d2"), ttl_s=30)  # a decode instance comes up
+    assert [i.id for i in view.instances()] == ["d1", "d2"] and registry.reads == 2
+    view.instances()
+    assert registry.reads == 2  # one serves now: from memory again
+
+
 def test_a_router_that_never_read_the_registry_says_so():
-    class Down(MemoryRegistry):
-        def instances(self, role=None):
-            raise ConnectionError("connection refused")
-
-        def prefix_hits(self, chain):
-            raise ConnectionError("connection refused")
-
+    registry = Counting()
+    registry.down = True
     with pytest.raises(Unavailable, match="the registry is unreachable and this router has not read it yet"):
-        LastKnown(Down()).instances(Role.DECODE)
-    assert LastKnown(Down()).prefix_hits([1, 2]) == {}
-
+        Snapshot(registry).instances(Role.DECODE)
+    assert Snapshot(registry).prefix_hits([1, 2]) == {}
     with pytest.raises(Unavailable, match="has not read it yet"):
-        LastKnown(Down()).instances_and_hits([1, 2])
+        Snapshot(registry).instances_and_hits([1, 2])
 
 
-def test_the_combined_read_answers_the_last_instances_and_no_hits_while_the_registry_is_down():
-    class Flaky(MemoryRegistry):
-        down = False
-
-        def instances(self, role=None):
-            if self.down:
-                raise ConnectionError("connection refused")
-            return super().instances(role)
-
-    flaky = Flaky()
-    flaky.register(InstanceInfo(id="d1", role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m"), ttl_s=30)
-    flaky.set_block_hashes("d1", {5}, ttl_s=30)
-    registry = LastKnown(flaky)
-    live, hits = registry.instances_and_hits([5, 6])
+def test_while_the_registry_is_down_the_last_snapshot_answers_and_reads_wait_retry_s():
+    registry = Counting()
+    registry.register(decode("d1"), ttl_s=30)
+    registry.set_block_hashes("d1", {5}, ttl_s=30)
+    view = Snapshot(registry, stale_s=0.0, retry_s=60)  # every request would read the registry itself
+    live, hits = view.instances_and_hits([5, 6])
     assert [i.id for i in live] == ["d1"] and hits == {"d1": 1}
-    flaky.down = True
-    assert registry.instances_and_hits([5, 6]) == (live, {})
+    registry.down = True
+    for _ in range(5):
+        assert view.instances_and_hits([5, 6]) == (live, {"d1": 1})  # the last instances and block hashes
+    assert registry.reads == 2  # one failed read, then none before retry_s

@@ -42,6 +42,19 @@ def mesh(tiny_checkpoint):
         instance.stop()
 
 
+def routed_view(router: RouterInstance):
+    """The registry as the router routes on it: its snapshot, which a read refreshes behind it."""
+    return router.core.registry
+
+
+def until_seen(router: RouterInstance, condition, timeout_s: float = 30.0) -> None:
+    """Wait until the router's view of the instance ids meets `condition`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition({i.id for i in routed_view(router).instances()}):
+        assert time.monotonic() < deadline, "the router's view did not change in time"
+        time.sleep(0.02)
+
+
 def generate(address: str, prompt: list[int], params: SamplingParams = GREEDY, **kwargs):
     stub = inference_pb2_grpc.InferenceStub(channel(address))
     deltas, final = [], None
@@ -79,8 +92,9 @@ def test_a_prompt_whose_prefix_decode_holds_is_prefilled_there(mesh):
     before = prefill.core.total_requests
     first, _ = generate(router.address, prompt)  # 100 uncached tokens: disaggregated
     assert prefill.core.total_requests == before + 1
-    deadline = time.monotonic() + 30  # the next heartbeat publishes decode's cached blocks
-    while registry.prefix_hits(prefix_hashes(prompt, 16)).get(decode.id, 0) < 6 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # a heartbeat publishes decode's cached blocks, the router's view reads them
+    while (routed_view(router).prefix_hits(prefix_hashes(prompt, 16)).get(decode.id, 0) < 6
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     again, final = generate(router.address, prompt + [7, 8])  # 6 of 7 blocks cached there: 6 tokens to prefill
     assert prefill.core.total_requests == before + 1  # conditional disaggregation: prefilled on decode
@@ -148,6 +162,7 @@ def test_a_decode_instance_that_is_gone_is_skipped_before_the_first_token(mesh):
     ghost = InstanceInfo(id="aaa-ghost", role=Role.DECODE, address="127.0.0.1:1", pid=1, model="m",
                          state=InstanceState.SERVING, kv_blocks_total=10_000)
     registry.register(ghost, ttl_s=60)
+    until_seen(router, lambda ids: "aaa-ghost" in ids)
     retries = scrape(router.metrics.url).get(("infermesh_retries_total", ()), 0)
     try:
         tokens, _ = generate(router.address, [5, 6, 7])
@@ -155,3 +170,4 @@ def test_a_decode_instance_that_is_gone_is_skipped_before_the_first_token(mesh):
         assert scrape(router.metrics.url)[("infermesh_retries_total", ())] == retries + 1  # the ghost was tried
     finally:
         registry.deregister("aaa-ghost")
+        until_seen(router, lambda ids: "aaa-ghost" not in ids)

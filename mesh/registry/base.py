@@ -5,7 +5,7 @@ replaces its record and renews the TTL); a record not renewed within its TTL is
 gone from `instances()`. Prefill and decode instances also publish the hashes of
 the KV blocks they hold (`set_block_hashes`, the same hash chain as the engine's
 prefix cache), so the router can ask `prefix_hits(chain)`: how many leading
-blocks of a prompt each live instance already holds.
+blocks of a prompt each live instance already holds, or read a `snapshot()` of it all.
 """
 
 from __future__ import annotations
@@ -83,9 +83,14 @@ class Registry(abc.ABC):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         """For each live instance: how many leading hashes of `chain` it holds."""
 
+    @abc.abstractmethod
+    def snapshot(self) -> tuple[list[InstanceInfo], dict[str, frozenset[int]]]:
+        """Every live record (ordered by id) and the block hashes each holds, read together: what a router
+        keeps in memory to route without a read per request (`mesh.registry.snapshot`)."""
+
     def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
-        """`instances()` and `prefix_hits(chain)` (none read for an empty chain), read together: what a router
-        reads per request, in one round trip where the backend allows (each read is one on the request's path)."""
+        """`instances()` and `prefix_hits(chain)` (none read for an empty chain): what a router reads per request
+        (from its `mesh.registry.snapshot.Snapshot`, which answers both from one snapshot)."""
         return self.instances(), self.prefix_hits(chain) if chain else {}
 
     def close(self) -> None:  # noqa: B027 - a registry without connections has nothing to release

@@ -36,7 +36,13 @@ class MemoryRegistry(Registry):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         with self._lock:
             self._expire()
-            return {iid: _leading(chain, self._blocks.get(iid, set())) for iid in sorted(self._records)}
+            return {iid: leading(chain, self._blocks.get(iid, set())) for iid in sorted(self._records)}
+
+    def snapshot(self) -> tuple[list[InstanceInfo], dict[str, frozenset[int]]]:
+        with self._lock:
+            self._expire()
+            ids = sorted(self._records)
+            return [self._records[i][0] for i in ids], {i: frozenset(self._blocks.get(i, ())) for i in ids}
 
     def _expire(self) -> None:
         now = self._clock()
@@ -45,7 +51,8 @@ class MemoryRegistry(Registry):
             self._blocks.pop(iid, None)
 
 
-def _leading(chain: list[int], held: set[int]) -> int:
+def leading(chain: list[int], held: set[int] | frozenset[int]) -> int:
+    """How many leading hashes of `chain` are in `held`."""
     count = 0
     for h in chain:
         if h not in held:

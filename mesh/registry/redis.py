@@ -56,9 +56,14 @@ class RedisRegistry(Registry):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         return self._hits(sorted(self._live()), chain)
 
-    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
-        live = self._live()  # read once for both
-        return [info for _, info in sorted(live.items())], self._hits(sorted(live), chain) if chain else {}
+    def snapshot(self) -> tuple[list[InstanceInfo], dict[str, frozenset[int]]]:
+        live = self._live()
+        ids = sorted(live)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for iid in ids:
+                pipe.smembers(f"{PREFIX}blocks:{iid}")
+            held = pipe.execute() if ids else []
+        return [live[i] for i in ids], {i: frozenset(int(h) for h in hashes) for i, hashes in zip(ids, held)}
 
     def _hits(self, ids: list[str], chain: list[int]) -> dict[str, int]:
         if not chain:

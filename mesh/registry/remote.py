@@ -68,9 +68,10 @@ class RegistryService(internal_pb2_grpc.RegistryServicer):
     def PrefixHits(self, request, context):
         return internal_pb2.PrefixHitsResponse(hits=self.registry.prefix_hits(list(request.chain)))
 
-    def InstancesAndHits(self, request, context):
-        found, hits = self.registry.instances_and_hits(list(request.chain))
-        return internal_pb2.InstancesAndHitsResponse(instances=[to_message(i) for i in found], hits=hits)
+    def Snapshot(self, request, context):
+        found, blocks = self.registry.snapshot()
+        return internal_pb2.SnapshotResponse(instances=[to_message(i) for i in found], blocks={
+            iid: internal_pb2.BlockHashes(hashes=sorted(hashes)) for iid, hashes in blocks.items()})
 
 
 class GrpcRegistry(Registry):
@@ -99,9 +100,10 @@ class GrpcRegistry(Registry):
     def prefix_hits(self, chain: list[int]) -> dict[str, int]:
         return dict(self._stub.PrefixHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S).hits)
 
-    def instances_and_hits(self, chain: list[int]) -> tuple[list[InstanceInfo], dict[str, int]]:
-        answer = self._stub.InstancesAndHits(internal_pb2.PrefixHitsRequest(chain=chain), timeout=self.TIMEOUT_S)
-        return [from_message(m) for m in answer.instances], dict(answer.hits)
+    def snapshot(self) -> tuple[list[InstanceInfo], dict[str, frozenset[int]]]:
+        answer = self._stub.Snapshot(internal_pb2.SnapshotRequest(), timeout=self.TIMEOUT_S)
+        return ([from_message(m) for m in answer.instances],
+                {iid: frozenset(b.hashes) for iid, b in answer.blocks.items()})
 
     def close(self) -> None:
         self._channel.close()

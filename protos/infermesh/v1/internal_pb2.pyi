@@ -362,17 +362,27 @@ class PrefixHitsResponse(_message.Message):
     hits: _containers.ScalarMap[str, int]
     def __init__(self, hits: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
-class InstancesAndHitsResponse(_message.Message):
-    __slots__ = ("instances", "hits")
-    class HitsEntry(_message.Message):
+class SnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockHashes(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("instances", "blocks")
+    class BlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
-        value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+        value: BlockHashes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BlockHashes, _Mapping]] = ...) -> None: ...
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
-    hits: _containers.ScalarMap[str, int]
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., hits: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    blocks: _containers.MessageMap[str, BlockHashes]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., blocks: _Optional[_Mapping[str, BlockHashes]] = ...) -> None: ...

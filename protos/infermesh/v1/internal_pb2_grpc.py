@@ -772,10 +772,10 @@ class RegistryStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.FromString,
                 _registered_method=True)
-        self.InstancesAndHits = channel.unary_unary(
-                '/infermesh.v1.Registry/InstancesAndHits',
-                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
-                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.FromString,
+        self.Snapshot = channel.unary_unary(
+                '/infermesh.v1.Registry/Snapshot',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
 
 
@@ -813,8 +813,8 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def InstancesAndHits(self, request, context):
-        """every instance and the prefix hits of a chain, in one call: what a router reads per request
+    def Snapshot(self, request, context):
+        """every instance and the block hashes each holds: what a router keeps in memory to route without a read
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -848,10 +848,10 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsResponse.SerializeToString,
             ),
-            'InstancesAndHits': grpc.unary_unary_rpc_method_handler(
-                    servicer.InstancesAndHits,
-                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.FromString,
-                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.SerializeToString,
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1001,7 +1001,7 @@ class Registry:
             _registered_method=True)
 
     @staticmethod
-    def InstancesAndHits(request,
+    def Snapshot(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1014,9 +1014,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/infermesh.v1.Registry/InstancesAndHits',
-            protos_dot_infermesh_dot_v1_dot_internal__pb2.PrefixHitsRequest.SerializeToString,
-            protos_dot_infermesh_dot_v1_dot_internal__pb2.InstancesAndHitsResponse.FromString,
+            '/infermesh.v1.Registry/Snapshot',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
