@@ -4,7 +4,9 @@ The supervisor serves its control service (`Supervisor.Scale`) and, unless a Red
 in-memory registry over gRPC, and registers itself with role `supervisor`. It starts the expert
 instances first (prefill and decode attach to them as they start), then the prefill, decode and router
 processes (`python -m <service>.server ...`, each logging to its own file), and is ready when every
-instance is registered and the router's health check says SERVING.
+instance is registered and the router's health check says SERVING. With `cpus="split"` (the default)
+each engine instance runs on its own share of the host's cores (`engine.cpus.share`, by ranks; its
+`--cpus`); the router and the supervisor run on any.
 
 It owns every process it started, scaled ones included. `scale(role, n)` starts instances of a role or
 drains its newest ones (`Admin.Drain`: finish in-flight work, deregister, exit) until it has n. A child
