@@ -123,3 +123,16 @@ def test_while_the_registry_is_down_the_last_snapshot_answers_and_reads_wait_ret
     for _ in range(5):
         assert view.instances_and_hits([5, 6]) == (live, {"d1": 1})  # the last instances and block hashes
     assert registry.reads == 2  # one failed read, then none before retry_s
+
+
+def test_a_background_read_that_fails_keeps_the_snapshot_and_the_next_one_catches_up():
+    registry = Counting()
+    registry.register(decode("d1"), ttl_s=30)
+    view = Snapshot(registry, refresh_s=1e-9, retry_s=60)
+    assert [i.id for i in view.instances()] == ["d1"]
+    registry.down = True
+    assert [i.id for i in view.instances()] == ["d1"]  # answered from memory; its background read fails
+    wait_until(lambda: registry.reads >= 2)
+    registry.down = False
+    registry.register(decode("d2"), ttl_s=30)
+    wait_until(lambda: [i.id for i in view.instances()] == ["d1", "d2"])  # a later request's background read
