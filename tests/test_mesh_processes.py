@@ -73,6 +73,13 @@ def cores_of(pid: int) -> set[int]:
             for core in parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])}
 
 
+def planned_cores(ranks: list[int]) -> list[set[int]]:
+    """What `up --cpus split` gives engine instances of these ranks (decode first): their shares of the
+    cores, or every core for an instance whose share is smaller than its ranks (it is not pinned)."""
+    return [set(cores) if len(cores) >= n else set(available_cores())
+            for cores, n in zip(share(available_cores(), ranks), ranks)]
+
+
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
@@ -100,9 +107,9 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert roles == ["decode", "prefill", "router", "supervisor"]  # `up` registers itself too
         parallel = {i["role"]: i["parallel"] for i in status["instances"]}
         assert parallel["decode"] == {"tp": 2, "cp": 1, "ep": 1} and parallel["prefill"] == {"tp": 1, "cp": 2, "ep": 1}
-        # --cpus split (the default): decode and prefill on their own shares of the cores, their ranks with them
+        # --cpus split (the default): decode and prefill on their own shares, their ranks with them
         pid = {i["role"]: i["pid"] for i in status["instances"]}
-        expected = dict(zip(("decode", "prefill"), map(set, share(available_cores(), [2, 2]))))
+        expected = dict(zip(("decode", "prefill"), planned_cores([2, 2])))
         assert {role: cores_of(pid[role]) for role in expected} == expected
         assert {role: set().union(*map(cores_of, descendants(pid[role]))) for role in expected} == expected
         assert cores_of(pid["router"]) == set(available_cores())  # not an engine: it runs where it may

@@ -14,7 +14,7 @@ from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 from tests.test_lifecycle import wait_until
-from tests.test_mesh_processes import assert_exited, cli, cores_of, start_mesh, started, stop_mesh
+from tests.test_mesh_processes import assert_exited, cli, cores_of, planned_cores, start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
 
 
@@ -59,7 +59,9 @@ def test_scaling_decode_up_and_down_and_prefill_to_zero_loses_no_request(tiny_ch
     proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "20")
     pids = [i["pid"] for i in instances(address)]
     traffic = Traffic(address, str(folder))
-    try:
+    try:  # --cpus split: decode and prefill on their own cores
+        pid = {i["role"]: i["pid"] for i in instances(address)}
+        assert [cores_of(pid["decode"]), cores_of(pid["prefill"])] == planned_cores([1, 1])
         up = cli("scale", "decode", "2", "--target", address)
         assert up.returncode == 0, up.stderr
         (started,) = [line.split()[0] for line in up.stdout.splitlines() if line.endswith(" started")]
