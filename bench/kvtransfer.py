@@ -56,7 +56,8 @@ def push(sender, kv, tokens: int) -> None:
     """A prefill rank's push of the prompt to one decode rank, as the engine drives it: `PlanSink`, layer by
     layer (the gather of each layer's rows included), then waiting for the acknowledgement."""
     src, dst = layouts(tokens)
-    sink = PlanSink(num_tokens=tokens, num_kv_heads=HEADS, block_size=BLOCK, target=dst, senders=[sender])
+    sink = PlanSink(num_tokens=tokens, num_kv_heads=HEADS, block_size=BLOCK, num_layers=LAYERS, target=dst,
+                    senders=[sender])
     for layer, (k, v) in enumerate(kv):
         sink.push_layer(layer, k, v, src.block_table, KVStripe())
     sink.finish()
@@ -119,7 +120,8 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
     src, dst = layouts(tokens)
     blocks = 2 * len(src.block_table)
     if rank == 1:
-        TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table))
+        TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table,
+                                           on_landed=lambda rid: None))  # as decode's: KV lands (nothing is freed)
         floor = torch.empty(LAYERS * 2 * tokens * HEADS * HEAD_DIM, dtype=torch.bfloat16)
         for _ in range(repeats):
             group.recv([floor], 0, 99).wait()

@@ -6,9 +6,12 @@ gRPC handlers call `reserve`, `generate`, `join` and `cancel` from their own
 threads; each runs as a command on the engine thread (between steps) and
 `generate`/`join` return the request's queue of `TokenEvent`s: tokens, then a final one.
 
-KV arriving for reserved requests is written by a `KVReceiver` from transport
-threads under `kv_lock`; the engine thread takes the same lock to drop a
-reservation, so a piece is never written into blocks already given back. A
+KV arriving for reserved requests is written by this core's `receiver` from
+transport threads under `kv_lock`; the engine thread takes the same lock to drop
+a reservation, so a piece is never written into blocks already given back. A
+transport may receive a layer straight into the cache (`KVReceiver.landing`);
+when a reservation ends while a landing into it is open (a cancel mid-push), its
+blocks stay held until the landing closes, then are freed on the engine thread. A
 reservation is a lease: one not joined within `lease_s` of its reservation or of its
 last KV piece (its prefill instance or router vanished) is cancelled and its blocks
 freed; a router whose join comes too late has decode prefill the request itself.
@@ -32,6 +35,7 @@ from engine.errors import NoReservation, PeerFailed, ServingError
 from engine.loop import EngineLoop
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence
+from kvtransfer.transport import KVReceiver
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,8 @@ class DecodeCore:
         self._expiring = threading.Event()  # set: stop the lease thread
         self.kv_lock = threading.Lock()
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
+        self.receiver = KVReceiver(engine.kv_cache, self.reserved, self.kv_lock, on_landed=self._landed)
+        self._held: dict[str, list[int]] = {}  # ended reservation -> its blocks, while KV still lands in them
         self.total_requests = 0
         self._block_hashes: set[int] = set()  # the last snapshot of the prefix cache
         self._streams: dict[str, queue.Queue] = {}
@@ -147,9 +153,10 @@ class DecodeCore:
             with self.kv_lock:
                 if self.reservations.pop(request_id, None) is None:
                     raise NoReservation(f"request_id {request_id!r} has no reservation")
+                landing = self._hold_if_landing(request_id)
             self._unpublish(request_id)
             stream = self._track(request_id)
-            if first_token is None:
+            if first_token is None or landing:  # KV still arriving at the join is not trusted: recompute
                 self.engine.recompute(request_id)
             else:
                 self._deliver(self.engine.join(request_id, first_token, logprobs))
@@ -173,6 +180,7 @@ class DecodeCore:
                 return False  # joined meanwhile: it runs on
             with self.kv_lock:
                 reserved = self.reservations.pop(request_id, None) is not None
+                self._hold_if_landing(request_id)
                 found = self.engine.abort(request_id)
             if reserved:
                 self._unpublish(request_id)
@@ -182,6 +190,28 @@ class DecodeCore:
             return found
 
         return False if self.failed else self._call(run)  # a failed engine has freed everything already
+
+    def _hold_if_landing(self, request_id: str) -> bool:
+        """Engine thread, under `kv_lock`, as the reservation ends: True, with its blocks held from reuse until
+        `_landed`, when KV is landing in them now."""
+        if not self.receiver.landings(request_id):
+            return False
+        blocks = list(self._requests[request_id].block_table)
+        self.engine.blocks.hold(blocks)
+        self._held[request_id] = blocks
+        return True
+
+    def _landed(self, request_id: str) -> None:
+        """The last landing into an ended reservation closed (a transport thread): free what it held."""
+        def release() -> None:
+            blocks = self._held.pop(request_id, None)
+            if blocks is not None:
+                self.engine.blocks.free(blocks)
+
+        try:
+            self._loop.submit(release)
+        except ServingError:
+            pass  # the engine stopped: nothing is reused any more
 
     def cached_block_hashes(self, wait_s: float = 0.2) -> set[int]:
         """Hashes of the full KV blocks in the prefix cache, read on the engine thread between steps; while a

@@ -29,7 +29,6 @@ from engine.threads import off_the_engine_thread
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.grpc_stream import WIRE_DTYPES
-from kvtransfer.transport import KVReceiver
 from mesh import rpc
 from mesh.instance import Instance
 from mesh.metrics import ENGINE_LOAD
@@ -138,8 +137,7 @@ class DecodeInstance(Instance):
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")
         self.links = rpc.Links(s.host, thread_init=off_the_engine_thread)
-        receiver = KVReceiver(engine.kv_cache, self.core.reserved, self.core.kv_lock)
-        self.endpoints = open_endpoints(0, s.tp, receiver, self.links, shared)
+        self.endpoints = open_endpoints(0, s.tp, self.core.receiver, self.links, shared)
         self.kv_endpoints = {name: [e.address, *(store.get(endpoint_key(name, r)).decode() for r in range(1, s.tp))]
                              for name, e in self.endpoints.items()}  # per transport: every rank's endpoint
         self.serve([(internal_pb2_grpc.add_DecodeServicer_to_server, DecodeService(self), "infermesh.v1.Decode")],

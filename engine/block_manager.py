@@ -153,6 +153,13 @@ class BlockManager:
                 self.free_lru[block % self.pools][block] = None
         block_table.clear()
 
+    def hold(self, blocks: Sequence[int]) -> None:
+        """One more reference on each of `blocks` (all in use): none is reused until `free`d once more."""
+        for block in blocks:
+            if self.ref_counts[block] < 1:
+                raise RuntimeError(f"block {block} is free: only a block in use can be held")
+            self.ref_counts[block] += 1
+
     def _acquire(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free_lru[block % self.pools][block]

@@ -8,8 +8,10 @@ the first layer it learns the prompt's blocks and which of them this rank stores
 stripes partition the prompt, so their plans together cover it exactly once.
 Every layer it copies each destination rank's pieces out of the cache at once
 (one gather of their rows and the rank's head range, into the sender's own
-memory when it has some: `KVSender.layer_buffers`) and sends them; `finish`
-waits for every destination's acknowledgement. It never raises into the engine
+memory when it has some: `KVSender.layer_buffers`; no copy at all when they are
+one range of the cache) and sends them; after the step's last layer it waits
+until no sender reads the cache any more (`KVSender.settle`: the blocks may be
+reused once the step ends); `finish` waits for every destination's acknowledgement. It never raises into the engine
 step: a destination that fails is skipped from then on and `finish` raises its
 TransferError.
 """
@@ -25,9 +27,10 @@ from kvtransfer.transport import KVSender, TransferError, TransferStats, gather_
 
 
 class PlanSink:
-    def __init__(self, *, num_tokens: int, num_kv_heads: int, block_size: int, target: DecodeLayout,
+    def __init__(self, *, num_tokens: int, num_kv_heads: int, block_size: int, num_layers: int, target: DecodeLayout,
                  senders: list[KVSender]) -> None:
         self.num_tokens, self.num_kv_heads, self.block_size = num_tokens, num_kv_heads, block_size
+        self.last_layer = num_layers - 1
         self.target, self.senders = target, senders
         self.pieces: tuple[Piece, ...] | None = None
         self.by_rank: dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]] = {}
@@ -61,6 +64,9 @@ class PlanSink:
                 sender.flush()
             except TransferError:
                 pass  # the sender is FAILED now; finish() raises it
+        if layer == self.last_layer:
+            for sender in self.senders:
+                sender.settle()
 
     def finish(self, timeout_s: float = 60.0) -> TransferStats:
         """Wait for every destination; raises TransferError if any failed (after finishing the others)."""

@@ -21,7 +21,9 @@ callable, called on `open()` (forming a pair group needs every rank: see
 
 `TorchP2PReceiver` runs a thread on each decode rank that takes messages from any
 source (`recv_anysource` on the descriptor tag, then the rest from that source)
-and writes them through a `KVReceiver`. That is gloo's; NCCL has no any-source
+and writes them through a `KVReceiver`: a layer whose destination is one range
+of slots is received straight into the cache where the receiver lets it land
+(`KVReceiver.landing`: no copy on the decode side), others into a buffer first. That is gloo's; NCCL has no any-source
 receive, so CUDA caches would need one receive loop per source rank (not built).
 """
 
@@ -115,6 +117,13 @@ class TorchP2PSender(KVSender):
         for work, _tensor in in_flight:  # the tensor stays alive until its send completed
             work.wait()
 
+    def settle(self) -> None:
+        with self.lock:
+            try:
+                self._wait_in_flight()
+            except RuntimeError as e:
+                self._fail(TransferError(f"KV send to group rank {self.dst} failed: {e}"))
+
     def _finish(self, timeout_s: float) -> None:
         with self.lock:  # acknowledgements come in END order: nobody else may END in between
             self._end()
@@ -165,6 +174,31 @@ class TorchP2PReceiver:
             if self.on_exit is not None:
                 self.on_exit()  # the group was closed or a peer died
 
+    def _receive_payload(self, source: int, request_id: str, layer: int, runs: list[tuple[int, int]],
+                         shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+        """A layer's keys, then values: straight into the cache where the receiver lets them land, else into a
+        buffer written after; a refused piece's are taken off the group and dropped."""
+        key = (source, request_id)
+        if key not in self._refused:
+            try:
+                with self.receiver.landing(request_id, layer, runs, shape, dtype) as views:
+                    if views is not None:
+                        for view in views:
+                            self.group.recv([view], source, TAG_PAYLOAD).wait()
+                        self._written[key] = self._written.get(key, 0) + 2 * views[0].numel() * views[0].element_size()
+                        return
+            except (PieceRejected, NoReservation) as e:
+                self._refused[key] = str(e)
+        keys, values = torch.empty((2, *shape), dtype=dtype)
+        self.group.recv([keys], source, TAG_PAYLOAD).wait()
+        self.group.recv([values], source, TAG_PAYLOAD).wait()
+        if key not in self._refused:
+            try:
+                self._written[key] = self._written.get(key, 0) + self.receiver.write_runs(
+                    request_id, layer, runs, keys, values)
+            except (PieceRejected, NoReservation) as e:
+                self._refused[key] = str(e)
+
     def _receive_one(self) -> None:
         descriptor = torch.zeros(DESCRIPTOR_LEN, dtype=torch.long)
         work = self.group.recv_anysource([descriptor], TAG_DESCRIPTOR)
@@ -178,15 +212,7 @@ class TorchP2PReceiver:
         request_id, runs = self._streams[(source, stream)] if kind == Kind.DATA else self._streams.pop((source, stream))
         key = (source, request_id)
         if kind == Kind.DATA:
-            keys, values = torch.empty((2, num_tokens, heads, head_dim), dtype=CODE_DTYPES[dtype])
-            self.group.recv([keys], source, TAG_PAYLOAD).wait()
-            self.group.recv([values], source, TAG_PAYLOAD).wait()
-            if key not in self._refused:
-                try:
-                    self._written[key] = self._written.get(key, 0) + self.receiver.write_runs(
-                        request_id, layer, runs, keys, values)
-                except (PieceRejected, NoReservation) as e:
-                    self._refused[key] = str(e)
+            self._receive_payload(source, request_id, layer, runs, (num_tokens, heads, head_dim), CODE_DTYPES[dtype])
             return
         reason = self._refused.pop(key, "").encode()
         written = self._written.pop(key, 0)

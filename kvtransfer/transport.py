@@ -15,11 +15,13 @@ blocks reserved for that request. `LoopbackSender` calls a receiver in process
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -57,14 +59,19 @@ class TransferStats:
 class KVReceiver:
     """Writes pieces into one rank's KV cache; `reserved(request_id)` gives the request's block table or None.
 
-    The caller keeps a reservation's blocks allocated until every push to it has ended."""
+    The caller keeps a reservation's blocks allocated until every push to it has ended. A caller that gives
+    `on_landed` also lets transports receive straight into the cache (`landing`); it then holds a
+    reservation's blocks back from reuse when the reservation ends while `landings(request_id)` is not 0,
+    until `on_landed(request_id)` says the last landing into them closed (a receive can outlast a cancel)."""
 
     def __init__(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-                 reserved: Callable[[str], tuple[int, ...] | None], lock: threading.Lock | None = None) -> None:
-        self.kv_cache, self.reserved = kv_cache, reserved
+                 reserved: Callable[[str], tuple[int, ...] | None], lock: threading.Lock | None = None,
+                 on_landed: Callable[[str], None] | None = None) -> None:
+        self.kv_cache, self.reserved, self.on_landed = kv_cache, reserved, on_landed
         _, self.block_size, self.num_heads, self.head_dim = kv_cache[0][0].shape
         self.dtype = kv_cache[0][0].dtype
         self.lock = lock or threading.Lock()  # the owner frees reservations under the same lock
+        self._landings: Counter[str] = Counter()  # request id -> landings open into its blocks (under lock)
 
     def write(self, request_id: str, layer: int, dst_slot: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store `keys`/`values` [n, heads, head_dim] at slots dst_slot.. of `layer`; returns the bytes written."""
@@ -74,26 +81,67 @@ class KVReceiver:
                    values: torch.Tensor) -> int:
         """Store a layer's pieces at once: `runs` of (first slot, tokens), `keys`/`values` [sum(tokens), heads,
         head_dim] in run order; all of them or, when one is refused, none. Returns the bytes written."""
-        if not 0 <= layer < len(self.kv_cache):
-            raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
-        expected = (sum(n for _, n in runs), self.num_heads, self.head_dim)
-        if keys.shape != expected or values.shape != expected or keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise PieceRejected(f"pieces must be {list(expected)} {self.dtype}, got keys {list(keys.shape)} "
-                                f"{keys.dtype} and values {list(values.shape)} {values.dtype}")
+        self._check_layout(layer, runs, keys=keys, values=values)
         k_cache, v_cache = self.kv_cache[layer]
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
-            table = self.reserved(request_id)
-            if table is None:
-                raise NoReservation(f"request {request_id!r} has no KV reservation here")
-            blocks = set(table)
-            for slot, n in runs:
-                first, last = slot // self.block_size, (slot + n - 1) // self.block_size
-                if n < 1 or slot < 0 or last - first >= len(blocks) or not blocks.issuperset(range(first, last + 1)):
-                    raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside blocks reserved for "
-                                        f"{request_id!r}")
+            self._check_reserved(request_id, runs)
             for cache, rows in ((k_cache, keys), (v_cache, values)):
                 scatter_rows(cache.view(-1, self.num_heads, self.head_dim), runs, rows.to(cache))
         return 2 * keys.numel() * keys.element_size()
+
+    @contextlib.contextmanager
+    def landing(self, request_id: str, layer: int, runs: list[tuple[int, int]], shape: tuple[int, ...],
+                dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Where a transport may receive a layer's keys and values [shape] straight into the cache: views of
+        the cache's slots when this receiver allows it (`on_landed`) and `runs` are one range, else None
+        (receive elsewhere, then `write_runs`). The piece is checked first, as `write_runs` checks it. A
+        receive that fails leaves the range half written: the transfer fails, and decode recomputes."""
+        ranges = merge_runs(runs)
+        self._check_layout(layer, runs, pieces=(tuple(shape), dtype))
+        if self.on_landed is None or len(ranges) != 1:
+            yield None
+            return
+        with self.lock:
+            self._check_reserved(request_id, runs)
+            self._landings[request_id] += 1
+        (slot, n), = ranges
+        try:
+            yield tuple(cache.view(-1, self.num_heads, self.head_dim)[slot:slot + n]  # [n, heads, head_dim]
+                        for cache in self.kv_cache[layer])
+        finally:
+            with self.lock:
+                self._landings[request_id] -= 1
+                ended = not self._landings[request_id] and self.reserved(request_id) is None
+                if not self._landings[request_id]:
+                    del self._landings[request_id]
+            if ended:
+                self.on_landed(request_id)
+
+    def landings(self, request_id: str) -> int:
+        """Landings open into the request's blocks; read under `lock`."""
+        return self._landings[request_id]
+
+    def _check_layout(self, layer: int, runs: list[tuple[int, int]], **pieces: tuple | torch.Tensor) -> None:
+        """`pieces`: name -> tensor, or (shape, dtype); each must be [sum(tokens), heads, head_dim] of the cache's
+        dtype."""
+        if not 0 <= layer < len(self.kv_cache):
+            raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
+        expected = (sum(n for _, n in runs), self.num_heads, self.head_dim)
+        layouts = {name: (tuple(p.shape), p.dtype) if isinstance(p, torch.Tensor) else p for name, p in pieces.items()}
+        if any(layout != (expected, self.dtype) for layout in layouts.values()):
+            got = " and ".join(f"{name} {list(shape)} {dtype}" for name, (shape, dtype) in layouts.items())
+            raise PieceRejected(f"pieces must be {list(expected)} {self.dtype}, got {got}")
+
+    def _check_reserved(self, request_id: str, runs: list[tuple[int, int]]) -> None:
+        """Under `lock`: every run lies in blocks reserved for the request."""
+        table = self.reserved(request_id)
+        if table is None:
+            raise NoReservation(f"request {request_id!r} has no KV reservation here")
+        blocks = set(table)
+        for slot, n in runs:
+            first, last = slot // self.block_size, (slot + n - 1) // self.block_size
+            if n < 1 or slot < 0 or last - first >= len(blocks) or not blocks.issuperset(range(first, last + 1)):
+                raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside blocks reserved for {request_id!r}")
 
 
 SLICE_COPIES = 16  # up to this many contiguous destination ranges, a copy each beats one indexed copy
@@ -116,8 +164,10 @@ def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Ten
 def gather_rows(src: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
     """src[slot:slot + n] for each (slot, n) of `runs`, in order, as one contiguous tensor, written into `out`
     when given (it may lie on another device): slice copies for up to SLICE_COPIES merged ranges, past them
-    one `index_select`."""
+    one `index_select`. Without `out`, rows that are one contiguous range of `src` come back as a view of it."""
     ranges = merge_runs(runs)
+    if out is None and len(ranges) == 1 and src[ranges[0][0]:sum(ranges[0])].is_contiguous():
+        return src[ranges[0][0]:sum(ranges[0])]
     if out is None:
         out = src.new_empty((sum(n for _, n in ranges), *src.shape[1:]))
     if len(ranges) > SLICE_COPIES:
@@ -194,6 +244,10 @@ class KVSender(abc.ABC):
         """Where the sink should gather the next layer's keys and values [shape] (a transport that sends from
         memory of its own), or None: anywhere."""
         return None
+
+    def settle(self) -> None:  # noqa: B027 - a transport that copies what it sends has nothing to wait for
+        """Return once no send still reads the tensors it was given (the sink calls it after a step's last layer:
+        they may be views of the cache, reused after the step). A failure leaves the sender FAILED."""
 
     def send(self, layer: int, piece: Piece, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.send_runs(layer, [(piece.dst_slot, piece.num_tokens)], keys, values)

@@ -86,7 +86,8 @@ class PrefillCore:
         if self.store is not None:
             push.publish(self.store, request_id, spec)
         try:
-            return self._prefill(request_id, prompt, params, self.links.sink(spec, request_id), "", started)
+            sink = self.links.sink(spec, request_id, len(self.engine.kv_cache))
+            return self._prefill(request_id, prompt, params, sink, "", started)
         finally:
             if self.store is not None:
                 push.forget(self.store, request_id, self.followers)

@@ -67,10 +67,10 @@ class DecodeLinks:
         """Rank 0, before publishing the push (torch_p2p claims the pair it goes over)."""
         return dataclasses.replace(spec, link=self.dialer(spec.transport).prepare(spec.addresses))
 
-    def sink(self, spec: PushSpec, request_id: str) -> PlanSink:
+    def sink(self, spec: PushSpec, request_id: str, num_layers: int) -> PlanSink:
         senders = self.dialer(spec.transport).senders(spec.addresses, spec.link, request_id, spec.timeout_s)
         return PlanSink(num_tokens=spec.num_tokens, num_kv_heads=spec.num_kv_heads, block_size=spec.block_size,
-                        target=spec.target, senders=senders)
+                        num_layers=num_layers, target=spec.target, senders=senders)
 
     def close(self) -> None:
         for dialer in self._dialers.values():
@@ -125,7 +125,8 @@ def push_kv(rank: int, store, runner, host: str, *, trace_spec: str = "none"):
             spec: PushSpec = pickle.loads(store.get(_spec_key(request_id)))
             span = tracer().start_span("kvtransfer.push.rank", context=propagate.extract(dict(spec.trace_context)),
                                        attributes={"prefill_rank": rank, "transport": spec.transport})
-            pushes.append((request_id, spec, links.sink(spec, request_id), plan.chunks[index].block_table, span))
+            sink = links.sink(spec, request_id, last_layer + 1)
+            pushes.append((request_id, spec, sink, plan.chunks[index].block_table, span))
 
         def on_layer(layer: int) -> None:
             for _, _, sink, table, _ in pushes:

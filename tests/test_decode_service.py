@@ -61,7 +61,7 @@ def test_kv_pushed_into_a_reservation_continues_exactly_as_one_engine(decode):
     prefill = EngineCore(load_checkpoint(folder), EngineConfig(dtype="float32", block_size=8, num_kv_blocks=32))
     layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges), block_size=target.block_size,
                           block_table=tuple(target.block_table), first_token=target.first_token)
-    sink = PlanSink(num_tokens=len(p), num_kv_heads=2, block_size=8, target=layout,
+    sink = PlanSink(num_tokens=len(p), num_kv_heads=2, block_size=8, num_layers=len(prefill.kv_cache), target=layout,
                     senders=[GrpcStreamSender(channel(a), "r1", i) for i, a in enumerate(target.addresses)])
     prefill.add_request("r1", p, SamplingParams(max_tokens=1, temperature=0.0), kv_sink=sink)
     first = next(out for out in iter(prefill.step, None) if out)[0].new_token_ids[0]

@@ -16,12 +16,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core import EngineConfig, EngineCore
+from engine.errors import NoReservation
 from engine.weights import load_checkpoint
 from kvtransfer import grpc_stream, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
-from kvtransfer.transport import KVReceiver, LoopbackSender, TransferError, TransferState, run_rows
+from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, TransferError, TransferState, run_rows
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
@@ -62,7 +63,8 @@ def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, 
     seq = decode.reserve(request_id, prompt, GREEDY)
     target = DecodeLayout(head_ranges=((0, decode.model_config.num_kv_heads),), block_size=16,
                           block_table=tuple(seq.block_table), first_token=seq.num_cached_prompt_tokens)
-    sink = PlanSink(num_tokens=len(prompt), num_kv_heads=prefill.model_config.num_kv_heads, block_size=8, target=target,
+    sink = PlanSink(num_tokens=len(prompt), num_kv_heads=prefill.model_config.num_kv_heads, block_size=8,
+                    num_layers=len(prefill.kv_cache), target=target,
                     senders=[sender(channel, request_id, 0, timeout_s=timeout_s)])
     prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_sink=sink)
     freed, free = [], prefill.blocks.free  # the request's table, as it is freed (and emptied) when it finishes
@@ -350,7 +352,9 @@ def test_scatter_rows_writes_each_run_where_indexed_assignment_does(runs):
 # ---- torch.distributed point-to-point over a pair group: prefill CP ranks + decode TP ranks ---------------
 
 
-def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
+def p2p_worker(rank: int, cp: int, tp: int, port: int, results, land: bool = False) -> None:
+    """`land`: decode's blocks lie in a row and its ranks let KV land straight in the cache; their
+    `write_runs` refuses everything, so all that arrives must have landed."""
     from engine.parallel.cp_shard import stripe_runs
     from engine.parallel.groups import rendezvous, stateless_group
     from kvtransfer.plan import PrefillLayout, plan
@@ -365,7 +369,7 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
     src = PrefillLayout(token_ranges=tuple(map(tuple, stripe_runs(table, 0, tokens, 4, cp))), num_kv_heads=heads,
                         block_size=4, block_table=table)
     dst = DecodeLayout(head_ranges=((0, 2), (1, 3))[:tp] if tp == 2 else ((0, 3),), block_size=16,
-                       block_table=(7, 2, 5))
+                       block_table=(5, 6, 7) if land else (7, 2, 5))
     if rank < cp:  # a prefill rank: its tokens only, in its own blocks
         cache = torch.zeros(layers, 2, 40 * 4, heads, head_dim, dtype=torch.bfloat16)
         for start, end in src.token_ranges[rank]:
@@ -396,7 +400,11 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
         h0, h1 = dst.head_ranges[r]
         kv = [(torch.zeros(8, 16, h1 - h0, head_dim, dtype=torch.bfloat16),
                torch.zeros(8, 16, h1 - h0, head_dim, dtype=torch.bfloat16)) for _ in range(layers)]
-        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: dst.block_table if rid == "req" else None))
+        writer = KVReceiver(kv, lambda rid: dst.block_table if rid == "req" else None,
+                            on_landed=(lambda rid: None) if land else None)  # nothing is freed here
+        if land:
+            writer.write_runs = refuse_writes
+        receiver = TorchP2PReceiver(group, writer)
         assert receiver.wait_for([(s, "req") for s in range(cp)], timeout_s=60)
         for layer in range(layers):
             for t in range(tokens):
@@ -407,14 +415,19 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results) -> None:
     group.barrier().wait()
 
 
-@pytest.mark.parametrize("cp,tp", [(1, 1), (2, 2)])
-def test_torch_p2p_moves_kv_bit_exactly_from_cp_ranks_to_tp_ranks(cp, tp):
+def refuse_writes(*args, **kwargs):
+    raise PieceRejected("this receiver takes landed KV only")
+
+
+@pytest.mark.parametrize("cp,tp,land", [(1, 1, False), (2, 2, False), (1, 1, True), (1, 2, True)],
+                         ids=["1x1", "2x2", "1x1-landed", "1x2-landed"])
+def test_torch_p2p_moves_kv_bit_exactly_from_cp_ranks_to_tp_ranks(cp, tp, land):
     import torch.multiprocessing as mp
 
     from tests.test_allreduce import free_port
 
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(p2p_worker, args=(cp, tp, free_port(), results), nprocs=cp + tp)
+    mp.spawn(p2p_worker, args=(cp, tp, free_port(), results, land), nprocs=cp + tp)
     rows = [results.get() for _ in range(cp + tp)]
     sent = sum(b for role, _, b, _ in rows if role == "prefill")
     received = sum(b for role, _, b, _ in rows if role == "decode")
@@ -500,3 +513,142 @@ def test_torch_p2p_push_to_a_receiver_that_dies_mid_push_fails_and_holds_nothing
     outcome, message, state, in_flight = results.get()
     assert outcome == "failed" and "group rank 1" in message, message
     assert state == "failed" and in_flight == 0  # no send left holding its tensor
+
+
+# ---- landing: a transport receives straight into the cache ------------------------------------------------
+
+
+def landing_receiver(on_landed=lambda rid: None):
+    kv = [(torch.zeros(4, 16, 3, 8), torch.zeros(4, 16, 3, 8)) for _ in range(2)]
+    tables = {"r": (1, 2)}
+    return kv, tables, KVReceiver(kv, tables.get, on_landed=on_landed)
+
+
+def test_a_piece_lands_in_the_slots_its_runs_name_and_only_while_the_receiver_allows_it():
+    kv, tables, receiver = landing_receiver()
+    keys, values = torch.randn(2, 20, 3, 8)
+    with receiver.landing("r", 1, [(16, 8), (24, 12)], (20, 3, 8), torch.float32) as views:
+        assert receiver.landings("r") == 1
+        views[0].copy_(keys)  # what a transport's receive does
+        views[1].copy_(values)
+    assert receiver.landings("r") == 0
+    assert torch.equal(kv[1][0].view(-1, 3, 8)[16:36], keys) and torch.equal(kv[1][1].view(-1, 3, 8)[16:36], values)
+    assert not kv[1][0].view(-1, 3, 8)[36:].any() and not kv[0][0].any()  # nothing else written
+    with receiver.landing("r", 1, [(16, 4), (32, 4)], (8, 3, 8), torch.float32) as views:
+        assert views is None  # two ranges: the transport receives elsewhere and writes
+    _, _, buffered_only = landing_receiver(on_landed=None)
+    with buffered_only.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32) as views:
+        assert views is None  # an owner that cannot hold blocks back does not let KV land
+
+
+@pytest.mark.parametrize("request_id,runs,shape,error", [
+    ("ghost", [(16, 4)], (4, 3, 8), "no KV reservation"),
+    ("r", [(40, 10)], (10, 3, 8), "not inside blocks reserved"),
+    ("r", [(16, 4)], (4, 2, 8), r"pieces must be \[4, 3, 8\] torch.float32"),
+])
+def test_a_landing_outside_its_reservation_or_of_the_wrong_shape_is_refused_before_any_view(request_id, runs, shape,
+                                                                                            error):
+    _, _, receiver = landing_receiver()
+    with pytest.raises((PieceRejected, NoReservation), match=error):
+        with receiver.landing(request_id, 0, runs, shape, torch.float32):
+            pytest.fail("a refused piece got views of the cache")
+    assert receiver.landings(request_id) == 0
+
+
+def test_a_reservation_that_ends_mid_landing_is_told_when_the_landing_closes_even_when_it_fails():
+    landed = []
+    _, tables, receiver = landing_receiver(on_landed=landed.append)
+    with pytest.raises(RuntimeError, match="the peer died"):
+        with receiver.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32):
+            with receiver.lock:  # the owner ends the reservation (a cancel) while KV lands
+                del tables["r"]
+                assert receiver.landings("r") == 1  # so it holds the blocks back
+            assert landed == []
+            raise RuntimeError("the peer died")  # the receive fails
+    assert landed == ["r"] and receiver.landings("r") == 0
+    tables["r"] = (1, 2)
+    with receiver.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32):
+        pass
+    assert landed == ["r"]  # a landing that closes while its reservation lives is nobody's business
+
+
+def p2p_dying_sender_worker(rank: int, port: int, results, die) -> None:
+    """Rank 0 sends a layer's descriptor and header, then dies before its payload; rank 1 is landing it, and
+    its owner ends the reservation meanwhile."""
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.torch_p2p import DTYPE_CODES, TAG_DESCRIPTOR, TAG_HEADER, Kind, TorchP2PReceiver, _header
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    if rank == 0:
+        header = _header("r", [(16, 4)])
+        group.send([torch.tensor([Kind.DATA, 0, 0, header.numel(), DTYPE_CODES[torch.float32], 4, 3, 8])], 1,
+                   TAG_DESCRIPTOR).wait()
+        group.send([header], 1, TAG_HEADER).wait()
+        die.wait(60)
+        os._exit(0)  # killed mid-message: no goodbye on the group
+    landed, exited = [], threading.Event()
+    _, tables, writer = landing_receiver(on_landed=landed.append)
+    TorchP2PReceiver(group, writer, on_exit=exited.set)
+    deadline = time.monotonic() + 60
+    while not writer.landings("r") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with writer.lock:
+        open_landings = writer.landings("r")
+        del tables["r"]  # a cancel while the payload is awaited
+    die.set()
+    results.put((open_landings, exited.wait(60), landed, writer.landings("r")))
+
+
+def test_a_sender_that_dies_mid_landing_closes_the_landing_and_tells_the_owner():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    context = mp.get_context("spawn")
+    results, die = context.SimpleQueue(), context.Event()
+    workers = mp.start_processes(p2p_dying_sender_worker, args=(free_port(), results, die), nprocs=2, join=False,
+                                 start_method="spawn")
+    open_landings, exited, landed, landings_after = results.get()
+    for process in workers.processes:
+        process.join(30)
+    assert open_landings == 1  # the payload was being received straight into the cache
+    assert exited and landed == ["r"] and landings_after == 0  # the failed receive closed it: the blocks may go
+
+
+def p2p_late_receiver_worker(rank: int, port: int, results) -> None:
+    """Rank 0 pushes one layer (the step's last) from views of its cache, then reuses the cache at once; rank 1
+    starts receiving a second later."""
+    from engine.kv_cache import KVStripe
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    tokens, shape = 2048, (128, 16, 8, 128)  # 8 MB of keys and of values: more than the socket holds
+    truth = torch.randn(2, *shape, generator=torch.Generator().manual_seed(3))
+    table = tuple(range(tokens // 16))
+    if rank == 0:
+        cache = truth.clone()
+        target = DecodeLayout(head_ranges=((0, 8),), block_size=16, block_table=table)
+        sink = PlanSink(num_tokens=tokens, num_kv_heads=8, block_size=16, num_layers=1, target=target,
+                        senders=[TorchP2PSender(group, "r", 1)])
+        sink.push_layer(0, cache[0], cache[1], table, KVStripe())
+        cache.fill_(float("nan"))  # the step ended: its blocks go to the next prompt
+        results.put(sink.finish().bytes)
+    else:
+        time.sleep(1.0)
+        kv = [(torch.zeros(shape), torch.zeros(shape))]
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: table, on_landed=lambda rid: None))
+        assert receiver.wait_for([(0, "r")], timeout_s=60)
+        results.put(torch.equal(kv[0][0], truth[0]) and torch.equal(kv[0][1], truth[1]))
+    group.barrier().wait()
+
+
+def test_a_push_from_views_of_the_cache_is_sent_before_the_step_that_made_it_ends():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_late_receiver_worker, args=(free_port(), results), nprocs=2)
+    outcomes = {results.get(), results.get()}
+    assert outcomes == {True, 2 * 8 << 20}  # bit for bit, though the cache was reused right after the last layer

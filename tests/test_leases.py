@@ -2,7 +2,8 @@
 that made it is gone too, nobody joins it; it expires, its blocks (with the partial KV) are freed, and a
 late join is told NOT_FOUND. A join within the lease runs to its end; each KV piece that arrives renews
 the lease. A prefill slower than the lease (a long queue) costs the client nothing: the router's late
-join finds no reservation and decode prefills the request itself, with the same tokens."""
+join finds no reservation and decode prefills the request itself, with the same tokens. A reservation
+that ends while KV is landing straight in its blocks keeps them from reuse until the landing closes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import time
 
 import grpc
 import pytest
+import torch
 
+from decode_svc.core import DecodeCore
 from decode_svc.server import DecodeInstance
 from engine import LLM
+from engine.core import EngineConfig, EngineCore
+from engine.weights import load_checkpoint
 from mesh import rpc
 from mesh.metrics import scrape
 from mesh.registry import MemoryRegistry, Role
@@ -121,3 +126,37 @@ def test_a_prefill_slower_than_the_lease_is_prefilled_on_decode_with_the_same_to
     finally:
         for instance in (router, prefill, decode):
             instance.stop()
+
+
+def landing(core: DecodeCore, request_id: str):
+    """The first block's keys and values landing, as a transport receiving into the cache opens it."""
+    k_cache = core.engine.kv_cache[0][0]
+    return core.receiver.landing(request_id, 0, [(core.reservations[request_id][0] * k_cache.shape[1], 4)],
+                                 (4, *k_cache.shape[2:]), k_cache.dtype)
+
+
+def test_blocks_a_cancel_frees_while_kv_lands_in_them_are_held_until_the_landing_closes(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    engine = EngineCore(load_checkpoint(str(folder)), EngineConfig(dtype="float32", num_kv_blocks=16))
+    core = DecodeCore(engine).start()
+    prompt = [5 + i % 200 for i in range(40)]
+    try:
+        core.reserve("cancelled", prompt, LONG)
+        with landing(core, "cancelled") as views:
+            assert core.cancel("cancelled")  # the client left mid-push
+            assert engine.blocks.num_used_blocks == 3  # not reusable while the receive writes into them
+            views[0].fill_(1.0)
+        wait_until(lambda: engine.blocks.num_used_blocks == 0)  # freed on the engine thread once closed
+
+        core.reserve("joined", prompt, LONG)  # KV still landing when the router joins: recomputed, not trusted
+        with landing(core, "joined") as views:
+            stream = core.join("joined", first_token=7)
+            views[0].fill_(torch.nan)  # a late write cannot reach the recomputed request's blocks
+        tokens, event = [], None
+        while event is None or not event.finish_reason:
+            event = stream.get(timeout=60)
+            tokens += event.token_ids
+        assert tokens == LLM(str(folder), dtype="float32").generate([prompt], LONG)[0].token_ids
+        wait_until(lambda: engine.blocks.num_used_blocks == 0 and core.in_flight == 0)
+    finally:
+        core.stop()
