@@ -3,10 +3,11 @@ from a prefill cache (block 16) into reserved decode blocks (block 16), over eac
 
     python bench/kvtransfer.py [--tokens 2048] [--quick]
 
-Rows: gRPC stream and shared memory (a sending process and a serving one, over loopback), torch.distributed
+Rows: gRPC stream and shared memory (a sending process and a serving one, over loopback), shared memory again
+with the sender's cache in /dev/shm (`--shared-kv-cache`: decode copies straight from it), torch.distributed
 p2p over a gloo pair group (two processes), each process on one intra-op thread, and two floors of the same
 bytes: one gloo send of a single tensor (for the network transports) and one single-threaded memcpy (for
-shared memory). A push is what a prefill rank does: `PlanSink` gathering each layer and sending it.
+shared memory). A push is what a prefill rank does: `PlanSink` taking each layer and sending it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/:
 
 from engine.kv_cache import KVStripe  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
-from kvtransfer import grpc_stream, shared_memory  # noqa: E402
+from kvtransfer import grpc_stream, shared_memory, shm_arena  # noqa: E402
 from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
 from kvtransfer.sink import PlanSink  # noqa: E402
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender  # noqa: E402
@@ -47,9 +48,11 @@ def layouts(tokens: int):
     return src, dst
 
 
-def cache(blocks: int):
+def cache(blocks: int, memory=None):
+    """Random KV, in `memory(shape, dtype)` when given (`shm_arena.shared_zeros`: a prefill's shared cache)."""
     shape = (blocks, BLOCK, HEADS, HEAD_DIM)
-    return [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
+    place = memory or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    return [tuple(place(shape, torch.bfloat16).copy_(torch.randn(shape)) for _ in range(2)) for _ in range(LAYERS)]
 
 
 def push(sender, kv, tokens: int) -> None:
@@ -77,15 +80,15 @@ def serve_stream(module: str, tokens: int, ports, stop) -> None:
     server.stop(None)
 
 
-def bench_stream(transport, tokens: int, repeats: int) -> float:
-    """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): this process sends, a
-    second one serves."""
+def bench_stream(transport, tokens: int, repeats: int, memory=None) -> float:
+    """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): this process sends (from a
+    cache in `memory`, see `cache`), a second one serves."""
     spawn = mp.get_context("spawn")
     ports, stop = spawn.SimpleQueue(), spawn.Event()
     server = spawn.Process(target=serve_stream, args=(transport.__name__, tokens, ports, stop))
     server.start()
     src, _ = layouts(tokens)
-    kv = cache(2 * len(src.block_table))
+    kv = cache(2 * len(src.block_table), memory)
     times, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -150,6 +153,7 @@ def main() -> None:
     tokens, repeats = (64, 2) if args.quick else (args.tokens, 5)
     total = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 2
     grpc_s, shm_s = bench_stream(grpc_stream, tokens, repeats), bench_stream(shared_memory, tokens, repeats)
+    shm_cache_s = bench_stream(shared_memory, tokens, repeats, shm_arena.shared_zeros)
     memcpy_s = memcpy_seconds(total, repeats)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,6 +166,7 @@ def main() -> None:
     print("| transport | seconds | GB/s |\n|---|---|---|")
     for name, seconds in (("gRPC stream (loopback)", grpc_s), ("torch p2p (gloo pair group)", p2p_s),
                           ("floor: one gloo send of the same bytes", floor_s), ("shared memory (one host)", shm_s),
+                          ("shared memory, read from prefill's shared cache", shm_cache_s),
                           ("floor: one-thread memcpy of the same bytes", memcpy_s)):
         print(f"| {name} | {seconds:.3f} | {total / seconds / 1e9:.2f} |")
 

@@ -88,10 +88,12 @@ class StepOutput:
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), follower_hook=None,
-                 rendezvous: Rendezvous = Rendezvous()) -> None:
+                 rendezvous: Rendezvous = Rendezvous(), kv_memory=None) -> None:
         """`follower_hook(rank, store, runner, host) -> before_step(plan)`: run by ranks 1..N-1 of a parallel
         instance once their model is built (an importable function; a service uses it to accept pushed KV on
-        every rank). `rendezvous`: where the ranks meet, which of them run here, the address rank 0 binds."""
+        every rank). `rendezvous`: where the ranks meet, which of them run here, the address rank 0 binds.
+        `kv_memory(shape, dtype) -> zeroed tensor`: where every rank's KV cache lives (an importable function;
+        default: private memory on the configured device)."""
         self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -100,7 +102,7 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype,
                                                             config.kv_cache_bytes, kv_heads)
         layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
-                      num_blocks=num_blocks, quantization=config.quantization)
+                      num_blocks=num_blocks, quantization=config.quantization, kv_memory=kv_memory)
         if parallel.world_size == 1:
             self.executor = build_runner(checkpoint, connect(None, 0, parallel, host=rendezvous.host), **layout)
         else:

@@ -28,9 +28,10 @@ from engine.step_plan import StepPlan
 class KVSink(Protocol):
     """Takes a request's prompt KV layer by layer, during the step that completes the prompt.
 
-    `push_layer` may go on reading the request's blocks after it returns, until it returns for
-    the step's last layer, not after: the blocks may be reused once the request finishes. On a context-parallel instance this sink gets rank 0's share;
-    the other ranks push theirs from their follower hook, driven by `StepPlan.pushes`."""
+    `push_layer` may go on reading the request's blocks after it returns, until it returns for the step's
+    last layer, not after: the blocks may be reused once the request finishes. On a context-parallel
+    instance this sink gets rank 0's share; the other ranks push theirs from their follower hook, driven by
+    `StepPlan.pushes`."""
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
                    stripe: KVStripe) -> None:

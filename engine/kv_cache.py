@@ -11,6 +11,7 @@ rank allocates only its share and the instance holds N times one rank's KV.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -44,8 +45,10 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu", num_kv_heads: int | None = None) -> KVCache:
+                      device: torch.device | str = "cpu", num_kv_heads: int | None = None,
+                      memory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> KVCache:
+    """`memory(shape, dtype)`: where the cache lives, a zeroed tensor (default: torch.zeros on `device`)."""
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
     shape = (num_blocks, block_size, heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)]
+    zeros = memory or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+    return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(cfg.num_layers)]

@@ -3,12 +3,17 @@ protocol, whose messages say where each layer's keys and values lie instead of c
 
 A prefill rank gathers each layer's keys and values for a decode rank straight into a region of its
 process's staging file in /dev/shm (`shm_arena`: mapped once, regions reused push after push); the
-layer's `KVPiece` names the file and the offset. The decode rank maps the file read-only for the stream
+layer's `KVPiece` names the file and the offsets. The decode rank maps the file read-only for the stream
 and copies each layer from there into its cache through the same checks as every transport
 (`KVReceiver`): one copy on each side, no serialisation, no page faults once the arena is warm. The
 regions go back to the arena when decode acknowledged the push; a failed push's regions are discarded
 (their pages freed, their offsets not reused for ten minutes), so a late reader sees zeros, not another
 push.
+
+One copy in all where the prefill instance holds its KV cache in the arena (`shm_arena.shared_zeros`,
+`--shared-kv-cache`) and a layer's rows are one range of it: the piece names where they lie in the
+cache, and decode copies them from there. The cache's blocks may be reused once the step that pushed
+ends, so such a sender waits at the step's last layer (`settle`) until decode acknowledged the push.
 
 The staging file is named after its process and unlinked when the process exits; one whose process was
 killed is removed by the next sender on the host (`sweep`). A path that is not one of ours in /dev/shm
@@ -31,8 +36,8 @@ import warnings
 import torch
 
 from kvtransfer import grpc_stream
-from kvtransfer.shm_arena import PREFIX, SHM_DIR, Region, arena
-from kvtransfer.transport import PieceRejected, TransferError, TransferState
+from kvtransfer.shm_arena import PREFIX, SHM_DIR, Region, alive, arena, owner_pid, sweep
+from kvtransfer.transport import PieceRejected, TransferError, TransferState, TransferStats
 from protos.infermesh.v1 import internal_pb2
 
 # decode maps the sender's file read-only and only reads from it: torch need not warn
@@ -43,6 +48,8 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._regions: list[Region] = []
+        self._reads_cache = False  # a piece names the prefill's cache itself: decode must read it before reuse
+        self._stats: TransferStats | None = None  # the push, acknowledged at `settle`
 
     @property
     def path(self) -> str:
@@ -68,18 +75,27 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
         return region.tensor[:nbytes]
 
     def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-        nbytes = keys.numel() * keys.element_size()
-        offset = arena().owns(keys)
-        if offset is None or not (keys.is_contiguous() and values.is_contiguous()
-                                  and values.data_ptr() == keys.data_ptr() + nbytes):
-            staged = self._take(2 * nbytes).view(keys.dtype).view(2, *keys.shape)  # not gathered in place
+        offsets = [arena().owns(t) if t.is_contiguous() else None for t in (keys, values)]
+        if None in offsets:  # neither gathered into a region nor lying in a shared cache: stage them
+            staged = self._take(2 * keys.numel() * keys.element_size()).view(keys.dtype).view(2, *keys.shape)
             staged[0].copy_(keys)
             staged[1].copy_(values)
-            offset = arena().owns(staged)
-        piece.shm_path, piece.shm_offset = self.path, offset
+            offsets = [arena().owns(staged[0]), arena().owns(staged[1])]
+        elif not any(r.offset <= offsets[0] < r.offset + r.size for r in self._regions):
+            self._reads_cache = True
+        piece.shm_path, piece.shm_offset, piece.shm_values_offset = self.path, *offsets
         return piece.SerializeToString()
 
+    def settle(self) -> None:
+        """Decode reads pieces straight from the cache: wait for its acknowledgement (a failure leaves this
+        sender FAILED: `finish` raises it)."""
+        if self._reads_cache and self.state is TransferState.TRANSFERRING:
+            with contextlib.suppress(TransferError):
+                self._stats = self.finish(self.timeout_s)
+
     def finish(self, timeout_s: float = 60.0):
+        if self._stats is not None:
+            return self._stats  # acknowledged at `settle`
         try:
             return super().finish(timeout_s)
         finally:  # acknowledged: the regions serve the next push; failed: decode may still read, so quarantine
@@ -102,7 +118,7 @@ class SharedMemoryService(grpc_stream.KVTransferService):
         with self._lock:
             data = self._files.get(path)
             if data is None:
-                for gone in [p for p in self._files if not _alive(_pid(p))]:
+                for gone in [p for p in self._files if not alive(owner_pid(p))]:
                     del self._files[gone]  # unmapped with the last view: its pages go back to the host
                 data = self._files[path] = _map(path)
             return data
@@ -111,10 +127,13 @@ class SharedMemoryService(grpc_stream.KVTransferService):
     def reader(self):
         def tensors(msg, dtype, shape, size):
             data = self._file(msg.shm_path)
-            if msg.shm_offset % dtype.itemsize or msg.shm_offset + 2 * size > data.numel():
-                raise PieceRejected(f"shm_offset {msg.shm_offset} + {2 * size} bytes is not inside "
-                                    f"{msg.shm_path} ({data.numel()} bytes) at a multiple of {dtype.itemsize}")
-            return data[msg.shm_offset:msg.shm_offset + 2 * size].view(dtype).view(2, *shape)  # keys, values
+            values_offset = msg.shm_values_offset if msg.HasField("shm_values_offset") else msg.shm_offset + size
+            for name, offset in (("shm_offset", msg.shm_offset), ("shm_values_offset", values_offset)):
+                if offset % dtype.itemsize or offset + size > data.numel():
+                    raise PieceRejected(f"{name} {offset} + {size} bytes is not inside {msg.shm_path} "
+                                        f"({data.numel()} bytes) at a multiple of {dtype.itemsize}")
+            return [data[offset:offset + size].view(dtype).view(shape)  # keys, values
+                    for offset in (msg.shm_offset, values_offset)]
 
         yield tensors
 
@@ -134,35 +153,6 @@ def _map(path: str) -> torch.Tensor:
         return torch.frombuffer(mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ), dtype=torch.uint8)
     finally:
         os.close(fd)
-
-
-def sweep() -> list[str]:
-    """Remove the files of senders that are gone (killed before they could unlink them); what was removed."""
-    removed = []
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(PREFIX) and not _alive(_pid(name)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-    return removed
-
-
-def _pid(path: str) -> int | None:
-    """The process a staging file (`PREFIX<pid>-...`) belongs to."""
-    pid = os.path.basename(path).removeprefix(PREFIX).split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return True  # not a name we give: leave it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class Dialer(grpc_stream.Dialer):

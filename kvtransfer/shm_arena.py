@@ -8,11 +8,15 @@ page costs a fault on first touch: writing 64 MB into new pages takes ~5x as lon
     arena().discard(region)            # the push failed: its pages go back to the host, its bytes are not
                                        #   handed out for QUARANTINE_S (a late reader sees zeros, not another push)
 
+A prefill instance may hold its KV cache here too (`shared_zeros`): decode then copies a push straight out
+of it, one copy in all.
+
 The file is sparse (`VIRTUAL_BYTES`, only what was taken holds memory) and named `PREFIX<pid>-...`; it is
-unlinked when the process exits, and `shared_memory.sweep` removes one whose process was killed. Regions
-come in size classes (four per doubling, whole pages), each with a free list; freed regions beyond
-`POOL_BYTES` of idle memory give their pages back (and are reserved again when reused), so the file's
-offsets stay bounded by the pushes in flight. Thread-safe; a forked child makes its own arena.
+unlinked when the process exits, and `sweep` (run by each sender and each shared cache as they start on the
+host) removes one whose process was killed. Regions come in size classes (four per doubling, whole pages),
+each with a free list; freed regions beyond `POOL_BYTES` of idle memory give their pages back (and are
+reserved again when reused), so the file's offsets stay bounded by the pushes in flight. Thread-safe; a
+forked child makes its own arena.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import math
 import mmap
 import os
 import tempfile
@@ -137,6 +142,47 @@ class Arena:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self._fd)
+
+
+def sweep() -> list[str]:
+    """Remove the files of senders that are gone (killed before they could unlink them); what was removed."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(PREFIX) and not alive(owner_pid(name)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
+
+
+def owner_pid(path: str) -> int | None:
+    """The process a staging file (`PREFIX<pid>-...`) belongs to."""
+    pid = os.path.basename(path).removeprefix(PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def alive(pid: int | None) -> bool:
+    if pid is None:
+        return True  # not a name we give: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor held in this process's arena for the process's life (a KV cache that the
+    `shared_memory` transport's readers copy from in place); a full /dev/shm is an OSError naming it."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    sweep()  # a killed process's cache is gone from the host before this one takes its share
+    try:
+        region = arena().take(nbytes)  # fresh tmpfs pages read as zeros
+    except OSError as e:
+        raise OSError(e.errno, f"cannot hold {nbytes} bytes of KV cache in {SHM_DIR}: {e.strerror}") from None
+    return region.tensor[:nbytes].view(dtype).view(shape)
 
 
 _arena: Arena | None = None

@@ -54,10 +54,12 @@ class PlanSink:
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for dst_rank, (source_runs, heads, runs) in self.by_rank.items():  # one gather per destination rank
             sender = self.senders[dst_rank]
-            shape = (sum(n for _, n in source_runs), heads.stop - heads.start, keys_all.shape[-1])
-            keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype) or (None, None)
-            keys = gather_rows(keys_all[:, heads], source_runs, keys_out)  # [sum(tokens), its heads, D]
-            values = gather_rows(values_all[:, heads], source_runs, values_out)
+            keys, values = (in_place(cache[:, heads], source_runs) for cache in (keys_all, values_all))
+            if keys is None or values is None:  # gathered: into the sender's own memory when it has some
+                shape = (sum(n for _, n in source_runs), heads.stop - heads.start, keys_all.shape[-1])
+                keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype) or (None, None)
+                keys = gather_rows(keys_all[:, heads], source_runs, keys_out)  # [sum(tokens), its heads, D]
+                values = gather_rows(values_all[:, heads], source_runs, values_out)
             sender.send_runs(layer, runs, keys, values)
         for sender in self.senders:
             try:
@@ -80,6 +82,16 @@ class PlanSink:
             raise error
         return TransferStats(sum(r.bytes for r in results), sum(r.pieces for r in results),
                              max((r.seconds for r in results), default=0.0))
+
+
+def in_place(src: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The rows of `runs` as a view of `src` [slots, heads, D] when they are one contiguous range of it, else None."""
+    ranges = merge_runs(runs)
+    if len(ranges) != 1:
+        return None
+    (slot, n), = ranges
+    rows = src[slot:slot + n]
+    return rows if rows.is_contiguous() else None
 
 
 def by_destination(pieces: tuple[Piece, ...]) -> dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]]:

@@ -164,10 +164,8 @@ def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Ten
 def gather_rows(src: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
     """src[slot:slot + n] for each (slot, n) of `runs`, in order, as one contiguous tensor, written into `out`
     when given (it may lie on another device): slice copies for up to SLICE_COPIES merged ranges, past them
-    one `index_select`. Without `out`, rows that are one contiguous range of `src` come back as a view of it."""
+    one `index_select`."""
     ranges = merge_runs(runs)
-    if out is None and len(ranges) == 1 and src[ranges[0][0]:sum(ranges[0])].is_contiguous():
-        return src[ranges[0][0]:sum(ranges[0])]
     if out is None:
         out = src.new_empty((sum(n for _, n in ranges), *src.shape[1:]))
     if len(ranges) > SLICE_COPIES:

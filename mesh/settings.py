@@ -92,6 +92,13 @@ class EngineSettings(RankedSettings):
 class PrefillSettings(EngineSettings):
     cp: int = 1
     cp_method: str = "auto"
+    shared_kv_cache: bool = False  # the KV cache in /dev/shm: the shared_memory transport's decode copies from it
+
+    def __post_init__(self) -> None:
+        super(PrefillSettings, self).__post_init__()
+        if self.shared_kv_cache and self.device != "cpu":
+            raise ValueError(f"shared_kv_cache holds the KV cache in /dev/shm, host memory: device must be cpu, "
+                             f"got {self.device!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

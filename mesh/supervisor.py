@@ -125,7 +125,8 @@ class Supervisor:
         common = ["--model", s.model, "--registry", self.registry_address, "--trace", s.trace, "--metrics",
                   s.metrics, "--host", s.host]
         engine = ["--dtype", s.dtype, "--quantization", s.quantization, "--kv-cache-bytes", str(s.kv_cache_bytes)]
-        self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)]),
+        shared = ["--shared-kv-cache", "true"] if s.kv_transport == "shared_memory" else []  # decode reads it in place
+        self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)] + shared),
                           Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}
         self._cores = self._plan_cores()
         try:

@@ -26,6 +26,7 @@ from engine.threads import off_the_engine_thread
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
+from kvtransfer.shm_arena import shared_zeros
 from mesh import rpc
 from mesh.instance import Instance
 from mesh.metrics import ENGINE_LOAD
@@ -117,7 +118,7 @@ class PrefillInstance(Instance):
         followers = functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
-                            rendezvous=Rendezvous.of(s))
+                            rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None)
         self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail()).start()
         m = self.metrics
         m.gauges(engine.load, ENGINE_LOAD)

@@ -17,6 +17,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core import EngineConfig, EngineCore
 from engine.errors import NoReservation
+from engine.kv_cache import KVStripe
 from engine.weights import load_checkpoint
 from kvtransfer import grpc_stream, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
@@ -41,11 +42,14 @@ def reservations(engine: EngineCore):
 @pytest.fixture
 def pair(tiny_checkpoint, request):
     """A prefill engine (block size 8) and a decode engine (block size 16) behind a real gRPC server of the
-    transport module `request.param` (default grpc_stream), and that module's sender class."""
-    transport = getattr(request, "param", grpc_stream)
+    transport module `request.param` (default grpc_stream; `(module, True)`: prefill's KV cache in shared
+    memory), and that module's sender class."""
+    transport, shared = (request.param if isinstance(request.param, tuple) else (request.param, False)) \
+        if hasattr(request, "param") else (grpc_stream, False)
     folder, _ = tiny_checkpoint("qwen3")
     checkpoint = load_checkpoint(str(folder))
-    prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
+    prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64),
+                         kv_memory=shm_arena.shared_zeros if shared else None)
     decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
     service = transport.Endpoint.service(KVReceiver(decode.kv_cache, reservations(decode)))
     server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
@@ -80,15 +84,20 @@ def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, 
     return sink, first, source_table
 
 
-@pytest.mark.parametrize("pair", [grpc_stream, shared_memory], indirect=True, ids=["grpc_stream", "shared_memory"])
+@pytest.mark.parametrize("pair", [grpc_stream, shared_memory, (shared_memory, True)], indirect=True,
+                         ids=["grpc_stream", "shared_memory", "shared_memory-from-the-cache"])
 def test_kv_moves_between_block_sizes_and_decode_continues_exactly(pair):
     prefill, decode, channel, reference, sender = pair
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (9, 37)]
     expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
     outs = {}
+    in_place = shm_arena.arena().owns(prefill.kv_cache[0][0]) is not None
     for i, prompt in enumerate(prompts):
+        staged = shm_arena.arena().taken_bytes
         sink, first, source_table = transfer(prefill, decode, channel, f"r{i}", prompt, sender=sender)
+        if in_place:  # decode read each layer from prefill's cache: nothing staged, and done when the step ended
+            assert shm_arena.arena().taken_bytes == staged and all(s.state is TransferState.DONE for s in sink.senders)
         stats = sink.finish()
         assert all(s.state is TransferState.DONE for s in sink.senders)
         layers, heads, head_dim = 2, decode.model_config.num_kv_heads, decode.model_config.head_dim
@@ -227,19 +236,22 @@ def test_shared_memory_gives_regions_back_after_a_push_and_discards_those_of_fai
     assert not unreachable._regions and os.path.exists(unreachable.path)  # the file lives with its process
 
 
-def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_push_not_the_process():
+def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_push_or_names_itself_to_a_cache():
     shm = os.statvfs(shm_arena.SHM_DIR)
     too_much = shm.f_bavail * shm.f_frsize + (1 << 30)  # more than /dev/shm has free
     code = ("import grpc, torch\nfrom kvtransfer import shm_arena, shared_memory\n"
             "print(shm_arena.arena().path, flush=True)\n"
             "s = shared_memory.SharedMemorySender(grpc.insecure_channel('127.0.0.1:1'), 'r', 0)\n"
             f"assert s.layer_buffers(({too_much}, 1, 1), torch.int8) is None  # the sink gathers anywhere\n"
-            f"try:\n    s._take({too_much})\nexcept Exception as e:\n    print(repr(e), flush=True)\n")
+            f"try:\n    s._take({too_much})\nexcept Exception as e:\n    print(repr(e), flush=True)\n"
+            f"try:\n    shm_arena.shared_zeros(({too_much},), torch.uint8)\n"
+            "except Exception as e:\n    print(repr(e), flush=True)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path, error = done.stdout.splitlines()
+    path, error, cache_error = done.stdout.splitlines()
     assert done.returncode == 0, done.stderr
     assert error.startswith(f"TransferError('cannot stage {too_much} bytes of KV in /dev/shm: No space left")
+    assert cache_error.startswith(f"OSError(28, 'cannot hold {too_much} bytes of KV cache in /dev/shm: No space")
     assert path.startswith(f"{shm_arena.SHM_DIR}/{shm_arena.PREFIX}") and not os.path.exists(path)
 
 
@@ -298,13 +310,18 @@ def test_shared_memory_refuses_an_offset_outside_the_file_or_misaligned(pair):
     decode.reserve("r", [5] * 10, GREEDY)
     slot = decode._sequences["r"].block_table[0] * 16
     path = shm_arena.arena().path
-    for offset in (shm_arena.VIRTUAL_BYTES - 64, 2):
+    end = shm_arena.VIRTUAL_BYTES - 64  # a tensor of 256 bytes there runs past the file
+    for field, offsets in (("shm_offset", dict(shm_offset=end)), ("shm_offset", dict(shm_offset=2)),
+                           ("shm_values_offset", dict(shm_offset=0, shm_values_offset=end)),
+                           ("shm_values_offset", dict(shm_offset=0, shm_values_offset=6)),
+                           ("shm_values_offset", dict(shm_offset=end - 256))):  # values right after the keys
         piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
-                                     dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path, shm_offset=offset)
+                                     dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path, **offsets)
         with pytest.raises(grpc.RpcError) as refused:
             internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert f"shm_offset {offset} + 512 bytes is not inside {path}" in refused.value.details()
+        bad = offsets.get(field, offsets["shm_offset"] + 256)
+        assert f"{field} {bad} + 256 bytes is not inside {path}" in refused.value.details()
 
 
 def test_files_of_killed_senders_are_swept_and_live_ones_kept():
@@ -652,3 +669,34 @@ def test_a_push_from_views_of_the_cache_is_sent_before_the_step_that_made_it_end
     mp.spawn(p2p_late_receiver_worker, args=(free_port(), results), nprocs=2)
     outcomes = {results.get(), results.get()}
     assert outcomes == {True, 2 * 8 << 20}  # bit for bit, though the cache was reused right after the last layer
+
+
+def test_a_push_from_a_shared_cache_is_read_by_decode_before_the_step_that_made_it_ends():
+    """Decode copies the layer out of prefill's cache in shared memory (slowly here); prefill reuses its cache
+    right after the step's last layer."""
+    shape = (128, 16, 4, 32)
+    truth = torch.randn(2, *shape, generator=torch.Generator().manual_seed(4))
+    source = [(shm_arena.shared_zeros(shape, torch.float32), shm_arena.shared_zeros(shape, torch.float32))]
+    source[0][0].copy_(truth[0])
+    source[0][1].copy_(truth[1])
+    kv = [(torch.zeros(shape), torch.zeros(shape))]
+    table = tuple(range(16, 32))
+
+    def reserved(request_id: str):
+        time.sleep(0.3)  # a decode rank busy elsewhere
+        return table
+
+    service = shared_memory.Endpoint.service(KVReceiver(kv, reserved))
+    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+                                                     "infermesh.v1.KVTransfer")])
+    try:
+        sink = PlanSink(num_tokens=256, num_kv_heads=4, block_size=16, num_layers=1,
+                        target=DecodeLayout(head_ranges=((0, 4),), block_size=16, block_table=table),
+                        senders=[shared_memory.SharedMemorySender(grpc.insecure_channel(f"127.0.0.1:{port}"), "r", 0)])
+        sink.push_layer(0, *source[0], tuple(range(16)), KVStripe())
+        for cache in source[0]:
+            cache.fill_(float("nan"))  # the step ended: its blocks go to the next prompt
+        assert sink.finish().bytes == 2 * 256 * 4 * 32 * 4
+        assert torch.equal(kv[0][0][16:32], truth[0][:16]) and torch.equal(kv[0][1][16:32], truth[1][:16])
+    finally:
+        server.stop(None)

@@ -67,6 +67,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def shm_bytes(pid: int) -> int:
+    """Bytes held in /dev/shm by the process's staging files (`kvtransfer.shm_arena`)."""
+    from kvtransfer.shm_arena import PREFIX, SHM_DIR
+
+    files = [f for f in os.listdir(SHM_DIR) if f.startswith(f"{PREFIX}{pid}-")]
+    return sum(os.stat(os.path.join(SHM_DIR, f)).st_blocks * 512 for f in files)
+
+
 def cores_of(pid: int) -> set[int]:
     """The cores any thread of `pid` may run on."""
     return {core for task in Path(f"/proc/{pid}/task").iterdir()
@@ -113,6 +121,9 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert {role: cores_of(pid[role]) for role in expected} == expected
         assert {role: set().union(*map(cores_of, descendants(pid[role]))) for role in expected} == expected
         assert cores_of(pid["router"]) == set(available_cores())  # not an engine: it runs where it may
+        if transport == "shared_memory":  # prefill's ranks hold their KV caches in /dev/shm for decode to read
+            assert all(shm_bytes(p) > 1 << 20 for p in [pid["prefill"], *descendants(pid["prefill"])])
+            assert not any(shm_bytes(p) for p in [pid["decode"], *descendants(pid["decode"])])
         reference = LLM(str(folder), dtype="float32")
         prompt = "the quick brown fox jumps over the lazy dog " * 8  # disaggregated
         out = cli("generate", prompt, "--target", address, "--max-tokens", "6", "--ignore-eos", "--json")

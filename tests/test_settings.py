@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.settings import DecodeSettings, RouterSettings, load
+from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings, load
 
 
 def test_environment_overrides_defaults_and_flags_override_the_environment():
@@ -27,6 +27,9 @@ def test_values_are_validated():
         load(RouterSettings, {"tp": 2}, {})
     with pytest.raises(ValueError, match=r"health_port must be in \[0, 65535\], got 70000"):
         load(DecodeSettings, {"health_port": 70000}, {})
+    assert load(PrefillSettings, {}, {"INFERMESH_SHARED_KV_CACHE": "true"}).shared_kv_cache
+    with pytest.raises(ValueError, match="shared_kv_cache holds the KV cache in /dev/shm, host memory: device must be"):
+        load(PrefillSettings, {"shared_kv_cache": True, "device": "cuda"}, {})
 
 
 def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():

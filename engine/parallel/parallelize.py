@@ -29,8 +29,9 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 
 
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
-                 num_blocks: int, quantization: str = "none") -> ModelRunner:
-    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only)."""
+                 num_blocks: int, quantization: str = "none", kv_memory=None) -> ModelRunner:
+    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only; in `kv_memory`,
+    see `engine.kv_cache.allocate_kv_cache`)."""
     try:
         model = build_model(checkpoint.config, checkpoint.weights, device)
     except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
@@ -39,7 +40,8 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
         quantize_int8(model)
     parallelize(model, ctx)
     kv_heads = model.layers[0].self_attn.num_kv_heads
-    kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads)
+    kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
+                                 memory=kv_memory)
     if ctx.config.cp > 1:
         return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
     return ModelRunner(model, kv_cache, block_size, torch.device(device))
