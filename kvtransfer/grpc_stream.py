@@ -82,11 +82,18 @@ class GrpcStreamSender(KVSender):
                 continue
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._post(self._piece(self._message(layer, runs, keys.dtype), keys, values))
+
+    def _message(self, layer: int, runs: list[tuple[int, int]], dtype: torch.dtype) -> internal_pb2.KVPiece:
+        return internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
+                                    dst_slots=[slot for slot, _ in runs], run_tokens=[n for _, n in runs],
+                                    dtype=WIRE_DTYPES[dtype])
+
+    def _post(self, message: bytes) -> None:
+        """One serialised `KVPiece` onto the stream (opened by the first)."""
         if self._call is None:
             self._call = self._push.future(self._requests(), timeout=self.timeout_s)
-        self._put(self._piece(internal_pb2.KVPiece(
-            request_id=self.request_id, layer=layer, dst_rank=self.dst_rank, dst_slots=[slot for slot, _ in runs],
-            run_tokens=[n for _, n in runs], dtype=WIRE_DTYPES[keys.dtype]), keys, values))
+        self._put(message)
 
     def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
         """The layer's message, serialized, with its keys and values in it."""
@@ -148,10 +155,10 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
                     raise PieceRejected(f"piece for rank {msg.dst_rank} sent to rank {self.rank}")
                 if len(msg.dst_slots) != len(msg.run_tokens):
                     raise PieceRejected(f"{len(msg.dst_slots)} dst_slots for {len(msg.run_tokens)} run_tokens")
-                keys, values = tensors(msg, *self._layout(msg))
-                total += self.receiver.write_runs(msg.request_id, msg.layer, list(zip(msg.dst_slots, msg.run_tokens)),
-                                                  keys, values)
-                pieces += 1
+                runs = list(zip(msg.dst_slots, msg.run_tokens))
+                for layer, keys, values in tensors(msg, *self._layout(msg)):
+                    total += self.receiver.write_runs(msg.request_id, layer, runs, keys, values)
+                    pieces += 1
         return internal_pb2.PushResponse(bytes=total, pieces=pieces)
 
     def _layout(self, msg) -> tuple[torch.dtype, tuple[int, int, int], int]:
@@ -164,14 +171,16 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
 
     @contextlib.contextmanager
     def reader(self):
-        """For one stream: `tensors(msg, dtype, shape, size)` -> the message's keys and values."""
+        """For one stream: `tensors(msg, dtype, shape, size)` -> the message's (layer, keys, values)."""
         def tensors(msg, dtype, shape, size):
+            if msg.more_layers:
+                raise PieceRejected("more_layers are for the shared_memory transport")
             for data in (msg.keys, msg.values):
                 if len(data) != size:
                     raise PieceRejected(f"pieces of {shape[0]} tokens must carry {size} bytes per tensor, "
                                         f"got {len(data)}")
-            return [torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)  # read only, never written
-                    for data in (msg.keys, msg.values)]
+            return [(msg.layer, *(torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)  # read only
+                                  for data in (msg.keys, msg.values)))]
 
         yield tensors
 

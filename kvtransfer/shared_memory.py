@@ -12,8 +12,10 @@ push.
 
 One copy in all where the prefill instance holds its KV cache in the arena (`shm_arena.shared_zeros`,
 `--shared-kv-cache`) and a layer's rows are one range of it: the piece names where they lie in the
-cache, and decode copies them from there. The cache's blocks may be reused once the step that pushed
-ends, so such a sender waits at the step's last layer (`settle`) until decode acknowledged the push.
+cache, and decode copies them from there. Such layers go out together, about `BATCH_BYTES` a message
+(`KVPiece.more_layers`: a push of 2,048 SmolLM2 tokens is three messages, not thirty). The cache's
+blocks may be reused once the step that pushed ends, so such a sender waits at the step's last layer
+(`settle`) until decode acknowledged the push: at most a batch of copying.
 
 The staging file is named after its process and unlinked when the process exits; one whose process was
 killed is removed by the next sender on the host (`sweep`). A path that is not one of ours in /dev/shm
@@ -42,6 +44,7 @@ from protos.infermesh.v1 import internal_pb2
 
 # decode maps the sender's file read-only and only reads from it: torch need not warn
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+BATCH_BYTES = 16 << 20  # layers read from the cache, per message
 
 
 class SharedMemorySender(grpc_stream.GrpcStreamSender):
@@ -50,6 +53,9 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
         self._regions: list[Region] = []
         self._reads_cache = False  # a piece names the prefill's cache itself: decode must read it before reuse
         self._stats: TransferStats | None = None  # the push, acknowledged at `settle`
+        self._batch: list[tuple[int, int, int]] = []  # (layer, keys offset, values offset) in the cache, unsent
+        self._batch_runs: list[tuple[int, int]] = []
+        self._batch_bytes, self._batch_dtype = 0, torch.float32
 
     @property
     def path(self) -> str:
@@ -74,17 +80,44 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
         self._regions.append(region)
         return region.tensor[:nbytes]
 
-    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         offsets = [arena().owns(t) if t.is_contiguous() else None for t in (keys, values)]
-        if None in offsets:  # neither gathered into a region nor lying in a shared cache: stage them
+        if None in offsets or any(r.offset <= offsets[0] < r.offset + r.size for r in self._regions):
+            super()._send_layer(layer, runs, keys, values)  # gathered into a region, or staged now
+            return
+        if self._batch and runs != self._batch_runs:
+            self._send_batch()
+        self._reads_cache = True
+        self._batch.append((layer, *offsets))
+        self._batch_runs, self._batch_dtype = runs, keys.dtype
+        self._batch_bytes += 2 * keys.numel() * keys.element_size()
+        if self._batch_bytes >= BATCH_BYTES:
+            self._send_batch()
+
+    def _send_batch(self) -> None:
+        """The layers read from the cache so far, as one message."""
+        if not self._batch:
+            return
+        (layer, keys, values), *more = self._batch
+        piece = self._message(layer, self._batch_runs, self._batch_dtype)
+        piece.shm_path, piece.shm_offset, piece.shm_values_offset = self.path, keys, values
+        piece.more_layers.extend(internal_pb2.KVLayerRef(layer=layer, keys_offset=keys, values_offset=values)
+                                 for layer, keys, values in more)
+        self._batch, self._batch_bytes = [], 0
+        self._post(piece.SerializeToString())
+
+    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+        if arena().owns(keys) is None or not (keys.is_contiguous() and values.is_contiguous()):
             staged = self._take(2 * keys.numel() * keys.element_size()).view(keys.dtype).view(2, *keys.shape)
             staged[0].copy_(keys)
             staged[1].copy_(values)
-            offsets = [arena().owns(staged[0]), arena().owns(staged[1])]
-        elif not any(r.offset <= offsets[0] < r.offset + r.size for r in self._regions):
-            self._reads_cache = True
-        piece.shm_path, piece.shm_offset, piece.shm_values_offset = self.path, *offsets
+            keys, values = staged
+        piece.shm_path, piece.shm_offset, piece.shm_values_offset = self.path, arena().owns(keys), arena().owns(values)
         return piece.SerializeToString()
+
+    def _finish(self, timeout_s: float) -> None:
+        self._send_batch()
+        super()._finish(timeout_s)
 
     def settle(self) -> None:
         """Decode reads pieces straight from the cache: wait for its acknowledgement (a failure leaves this
@@ -128,12 +161,17 @@ class SharedMemoryService(grpc_stream.KVTransferService):
         def tensors(msg, dtype, shape, size):
             data = self._file(msg.shm_path)
             values_offset = msg.shm_values_offset if msg.HasField("shm_values_offset") else msg.shm_offset + size
-            for name, offset in (("shm_offset", msg.shm_offset), ("shm_values_offset", values_offset)):
-                if offset % dtype.itemsize or offset + size > data.numel():
-                    raise PieceRejected(f"{name} {offset} + {size} bytes is not inside {msg.shm_path} "
-                                        f"({data.numel()} bytes) at a multiple of {dtype.itemsize}")
-            return [data[offset:offset + size].view(dtype).view(shape)  # keys, values
-                    for offset in (msg.shm_offset, values_offset)]
+            layers = [(msg.layer, ("shm_offset", msg.shm_offset), ("shm_values_offset", values_offset))]
+            layers += [(ref.layer, (f"more_layers[{i}].keys_offset", ref.keys_offset),
+                        (f"more_layers[{i}].values_offset", ref.values_offset))
+                       for i, ref in enumerate(msg.more_layers)]
+            for _, *offsets in layers:
+                for name, offset in offsets:
+                    if offset % dtype.itemsize or offset + size > data.numel():
+                        raise PieceRejected(f"{name} {offset} + {size} bytes is not inside {msg.shm_path} "
+                                            f"({data.numel()} bytes) at a multiple of {dtype.itemsize}")
+            return [(layer, *(data[offset:offset + size].view(dtype).view(shape) for _, offset in offsets))
+                    for layer, *offsets in layers]
 
         yield tensors
 

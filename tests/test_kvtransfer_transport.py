@@ -314,13 +314,15 @@ def test_shared_memory_refuses_an_offset_outside_the_file_or_misaligned(pair):
     for field, offsets in (("shm_offset", dict(shm_offset=end)), ("shm_offset", dict(shm_offset=2)),
                            ("shm_values_offset", dict(shm_offset=0, shm_values_offset=end)),
                            ("shm_values_offset", dict(shm_offset=0, shm_values_offset=6)),
-                           ("shm_values_offset", dict(shm_offset=end - 256))):  # values right after the keys
+                           ("shm_values_offset", dict(shm_offset=end - 256)),  # values right after the keys
+                           ("more_layers[0].values_offset", dict(shm_offset=0, shm_values_offset=256, more_layers=[
+                               internal_pb2.KVLayerRef(layer=1, keys_offset=512, values_offset=end)]))):
         piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
                                      dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path, **offsets)
         with pytest.raises(grpc.RpcError) as refused:
             internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        bad = offsets.get(field, offsets["shm_offset"] + 256)
+        bad = end if field.startswith("more") else offsets.get(field, offsets["shm_offset"] + 256)
         assert f"{field} {bad} + 256 bytes is not inside {path}" in refused.value.details()
 
 
@@ -700,3 +702,50 @@ def test_a_push_from_a_shared_cache_is_read_by_decode_before_the_step_that_made_
         assert torch.equal(kv[0][0][16:32], truth[0][:16]) and torch.equal(kv[0][1][16:32], truth[1][:16])
     finally:
         server.stop(None)
+
+
+class CountingSender(shared_memory.SharedMemorySender):
+    """Counts the messages it puts on the stream."""
+
+    def _post(self, message: bytes) -> None:
+        self.messages = getattr(self, "messages", 0) + 1
+        super()._post(message)
+
+
+def test_layers_read_from_a_shared_cache_go_out_a_batch_a_message_and_land_exactly(monkeypatch):
+    layers, shape = 5, (8, 16, 2, 32)  # 32 KB of keys and of values a layer
+    monkeypatch.setattr(shared_memory, "BATCH_BYTES", 2 * 2 * 32 << 10)  # two layers a message
+    truth = torch.randn(layers, 2, *shape, generator=torch.Generator().manual_seed(6))
+    source = [tuple(shm_arena.shared_zeros(shape, torch.float32).copy_(truth[i, j]) for j in range(2))
+              for i in range(layers)]
+    kv = [(torch.zeros(16, 16, 2, 32), torch.zeros(16, 16, 2, 32)) for _ in range(layers)]
+    service = shared_memory.Endpoint.service(KVReceiver(kv, lambda rid: tuple(range(16))))
+    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+                                                     "infermesh.v1.KVTransfer")])
+    runs = [[(0, 128)]] + [[(0, 64), (128, 64)]] * 4  # the runs change at layer 1: a new message
+    try:
+        sender = CountingSender(grpc.insecure_channel(f"127.0.0.1:{port}"), "r", 0)
+        for layer, (k, v) in enumerate(source):
+            sender.send_runs(layer, runs[layer], k.view(-1, 2, 32), v.view(-1, 2, 32))
+            sender.flush()
+        stats = sender.finish(timeout_s=30)
+        assert sender.messages == 3 and stats.bytes == layers * 2 * 128 * 2 * 32 * 4  # [0], [1, 2], [3, 4]
+        for layer in range(layers):
+            for got, want in zip(kv[layer], truth[layer]):
+                rows, want = got.view(-1, 2, 32), want.view(-1, 2, 32)
+                assert torch.equal(rows[run_rows(runs[layer])], want) and not rows[192:].any()
+    finally:
+        server.stop(None)
+
+
+def test_a_grpc_stream_refuses_more_layers_than_it_carries(pair):
+    _, decode, channel, _, _ = pair
+    decode.reserve("r", [5] * 10, GREEDY)
+    slot = decode._sequences["r"].block_table[0] * 16
+    piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
+                                 dtype=internal_pb2.DTYPE_FLOAT32, keys=bytes(256), values=bytes(256),
+                                 more_layers=[internal_pb2.KVLayerRef(layer=1)])
+    with pytest.raises(grpc.RpcError) as refused:
+        internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "more_layers are for the shared_memory transport" in refused.value.details()

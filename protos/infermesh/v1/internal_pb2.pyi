@@ -162,7 +162,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cp_method: _Optional[_Union[CPMethod, str]] = ..., cp_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_status: _Optional[_Union[KVStatus, str]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class KVPiece(_message.Message):
-    __slots__ = ("request_id", "layer", "dst_rank", "dst_slots", "run_tokens", "dtype", "keys", "values", "shm_path", "shm_offset", "shm_values_offset")
+    __slots__ = ("request_id", "layer", "dst_rank", "dst_slots", "run_tokens", "dtype", "keys", "values", "shm_path", "shm_offset", "shm_values_offset", "more_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class KVPiece(_message.Message):
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_VALUES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layer: int
     dst_rank: int
@@ -185,7 +186,18 @@ class KVPiece(_message.Message):
     shm_path: str
     shm_offset: int
     shm_values_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_rank: _Optional[int] = ..., dst_slots: _Optional[_Iterable[int]] = ..., run_tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., shm_path: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_values_offset: _Optional[int] = ...) -> None: ...
+    more_layers: _containers.RepeatedCompositeFieldContainer[KVLayerRef]
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_rank: _Optional[int] = ..., dst_slots: _Optional[_Iterable[int]] = ..., run_tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., shm_path: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_values_offset: _Optional[int] = ..., more_layers: _Optional[_Iterable[_Union[KVLayerRef, _Mapping]]] = ...) -> None: ...
+
+class KVLayerRef(_message.Message):
+    __slots__ = ("layer", "keys_offset", "values_offset")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VALUES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    keys_offset: int
+    values_offset: int
+    def __init__(self, layer: _Optional[int] = ..., keys_offset: _Optional[int] = ..., values_offset: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("bytes", "pieces")
