@@ -155,18 +155,16 @@ class Supervisor:
 
     def _plan_cores(self) -> dict[Role, list[list[int]]]:
         """cpus=split: this host's cores shared among the engine instances by their ranks (decode first: the
-        rounding favours it); cpus=shared: none planned, every instance may use every core. An instance whose
-        share is smaller than its ranks is planned with none (an empty list): its ranks, one intra-op thread
-        each, run where the OS puts them. Pinned to fewer cores than ranks, a 2-rank instance failed to form
-        its gloo group in 4 of 10 starts ("connectFullMesh failed ... Connection closed by peer")."""
+        rounding favours it; an instance with fewer cores than ranks runs its ranks on the same cores);
+        cpus=shared: none planned, every instance may use every core."""
         s = self.spec
         if s.cpus == "shared":
             return {}
         instances = ([(Role.DECODE, s.decode_tp)] * s.decode + [(Role.PREFILL, s.prefill_cp)] * s.prefill
                      + [(Role.EXPERT, s.expert_ep)] * s.experts)
         plan: dict[Role, list[list[int]]] = {}
-        for (role, ranks), cores in zip(instances, share(available_cores(), [ranks for _, ranks in instances])):
-            plan.setdefault(role, []).append(cores if len(cores) >= ranks else [])
+        for (role, _), cores in zip(instances, share(available_cores(), [ranks for _, ranks in instances])):
+            plan.setdefault(role, []).append(cores)
         return plan
 
     def _cpus(self, role: Role, number: int) -> list[str]:

@@ -82,10 +82,8 @@ def cores_of(pid: int) -> set[int]:
 
 
 def planned_cores(ranks: list[int]) -> list[set[int]]:
-    """What `up --cpus split` gives engine instances of these ranks (decode first): their shares of the
-    cores, or every core for an instance whose share is smaller than its ranks (it is not pinned)."""
-    return [set(cores) if len(cores) >= n else set(available_cores())
-            for cores, n in zip(share(available_cores(), ranks), ranks)]
+    """What `up --cpus split` gives engine instances of these ranks (decode first): their shares of the cores."""
+    return [set(cores) for cores in share(available_cores(), ranks)]
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -138,7 +138,9 @@ def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, back
                                   host=host)
     if config.world_size == 1:
         return ParallelContext(config=config, rank=0, expert_group=experts)
-    group = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout, host=host)
+    # connected on first use: formed eagerly with the ranks on one core, it failed to connect 3 of 22 times
+    group = stateless_group(store, "world", rank, config.world_size, backend=backend, timeout=timeout, host=host,
+                            lazy=True)
     return ParallelContext(config=config, rank=rank, instance_group=group,
                            tp_group=group if config.tp > 1 else None,
                            cp_group=group if config.cp > 1 else None,

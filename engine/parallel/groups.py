@@ -42,17 +42,19 @@ def hosted_store(host: str, port: int, timeout: datetime.timedelta,
 
 def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *, backend: str = "gloo",
                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, idle_timeout: datetime.timedelta | None = None,
-                    host: str = "") -> dist.ProcessGroup:
+                    host: str = "", lazy: bool = False) -> dist.ProcessGroup:
     """A process group named `name` among `world_size` ranks sharing `store`. Forming it waits at most
     `timeout`; its operations wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`.
-    `host`: the address this rank's gloo connections use ("": the one this host's name resolves to)."""
+    `host`: the address this rank's gloo connections use ("": the one this host's name resolves to). `lazy`:
+    gloo connects each pair of ranks on its first message, not all of them while the group forms."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     prefixed = dist.PrefixStore(name, store)
     if backend == "gloo":
-        if host:
+        if host or lazy:
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy) if host
+                                else dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)]
             options._timeout = timeout
             group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         else:
