@@ -11,9 +11,9 @@ Every layer it copies each destination rank's pieces out of the cache at once
 memory when it has some: `KVSender.layer_buffers`; no copy at all when they are
 one range of the cache) and sends them; after the step's last layer it waits
 until no sender reads the cache any more (`KVSender.settle`: the blocks may be
-reused once the step ends); `finish` waits for every destination's acknowledgement. It never raises into the engine
-step: a destination that fails is skipped from then on and `finish` raises its
-TransferError.
+reused once the step ends); `finish` waits for every destination's
+acknowledgement. It never raises into the engine step: a destination that fails
+is skipped from then on and `finish` raises its TransferError.
 """
 
 from __future__ import annotations
