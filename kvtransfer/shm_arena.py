@@ -181,7 +181,9 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     try:
         region = arena().take(nbytes)  # fresh tmpfs pages read as zeros
     except OSError as e:
-        raise OSError(e.errno, f"cannot hold {nbytes} bytes of KV cache in {SHM_DIR}: {e.strerror}") from None
+        raise OSError(e.errno, f"cannot hold {nbytes} bytes of KV cache in {SHM_DIR}: {e.strerror} (a larger "
+                               f"{SHM_DIR}, a smaller --kv-cache-bytes, or a --kv-transport other than shared_memory)"
+                      ) from None
     return region.tensor[:nbytes].view(dtype).view(shape)
 
 

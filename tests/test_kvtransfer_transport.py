@@ -252,6 +252,7 @@ def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_pus
     assert done.returncode == 0, done.stderr
     assert error.startswith(f"TransferError('cannot stage {too_much} bytes of KV in /dev/shm: No space left")
     assert cache_error.startswith(f"OSError(28, 'cannot hold {too_much} bytes of KV cache in /dev/shm: No space")
+    assert "a --kv-transport other than shared_memory" in cache_error  # and what to do about it
     assert path.startswith(f"{shm_arena.SHM_DIR}/{shm_arena.PREFIX}") and not os.path.exists(path)
 
 
