@@ -23,8 +23,9 @@ callable, called on `open()` (forming a pair group needs every rank: see
 source (`recv_anysource` on the descriptor tag, then the rest from that source)
 and writes them through a `KVReceiver`: a layer whose destination is one range
 of slots is received straight into the cache where the receiver lets it land
-(`KVReceiver.landing`: no copy on the decode side), others into a buffer first. That is gloo's; NCCL has no any-source
-receive, so CUDA caches would need one receive loop per source rank (not built).
+(`KVReceiver.landing`: no copy on the decode side), others into a buffer first.
+Any-source receive is gloo's; NCCL has none, so CUDA caches would need one
+receive loop per source rank (not built).
 """
 
 from __future__ import annotations

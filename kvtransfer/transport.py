@@ -81,7 +81,7 @@ class KVReceiver:
                    values: torch.Tensor) -> int:
         """Store a layer's pieces at once: `runs` of (first slot, tokens), `keys`/`values` [sum(tokens), heads,
         head_dim] in run order; all of them or, when one is refused, none. Returns the bytes written."""
-        self._check_layout(layer, runs, keys=keys, values=values)
+        self._check_layout(layer, runs, keys=(keys.shape, keys.dtype), values=(values.shape, values.dtype))
         k_cache, v_cache = self.kv_cache[layer]
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
             self._check_reserved(request_id, runs)
@@ -97,7 +97,7 @@ class KVReceiver:
         (receive elsewhere, then `write_runs`). The piece is checked first, as `write_runs` checks it. A
         receive that fails leaves the range half written: the transfer fails, and decode recomputes."""
         ranges = merge_runs(runs)
-        self._check_layout(layer, runs, pieces=(tuple(shape), dtype))
+        self._check_layout(layer, runs, pieces=(shape, dtype))
         if self.on_landed is None or len(ranges) != 1:
             yield None
             return
@@ -121,14 +121,14 @@ class KVReceiver:
         """Landings open into the request's blocks; read under `lock`."""
         return self._landings[request_id]
 
-    def _check_layout(self, layer: int, runs: list[tuple[int, int]], **pieces: tuple | torch.Tensor) -> None:
-        """`pieces`: name -> tensor, or (shape, dtype); each must be [sum(tokens), heads, head_dim] of the cache's
+    def _check_layout(self, layer: int, runs: list[tuple[int, int]], **layouts: tuple[tuple[int, ...], torch.dtype]
+                      ) -> None:
+        """`layouts`: name -> (shape, dtype) of a piece; each must be [sum(tokens), heads, head_dim] of the cache's
         dtype."""
         if not 0 <= layer < len(self.kv_cache):
             raise PieceRejected(f"layer {layer} is out of range [0, {len(self.kv_cache)})")
         expected = (sum(n for _, n in runs), self.num_heads, self.head_dim)
-        layouts = {name: (tuple(p.shape), p.dtype) if isinstance(p, torch.Tensor) else p for name, p in pieces.items()}
-        if any(layout != (expected, self.dtype) for layout in layouts.values()):
+        if any((tuple(shape), dtype) != (expected, self.dtype) for shape, dtype in layouts.values()):
             got = " and ".join(f"{name} {list(shape)} {dtype}" for name, (shape, dtype) in layouts.items())
             raise PieceRejected(f"pieces must be {list(expected)} {self.dtype}, got {got}")
 
