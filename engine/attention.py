@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import RopeScaling
+from engine.kernels import cpu_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +37,6 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decode] int32 (the CUDA kernel's mask)
     prefills: tuple[PrefillSpan, ...]
-    # one decode sequence whose blocks lie in a row: (its first slot, context length), attended as a view of
-    # the cache instead of a gather of its context every layer
-    decode_run: tuple[int, int] | None = None
 
 
 def build_metadata(
@@ -70,12 +68,6 @@ def build_metadata(
             blocks = torch.tensor(table[: math.ceil(context_len / block_size)], dtype=torch.long, device=device)
             spans.append(PrefillSpan(start, num_tokens, context_len, blocks, span_mask))
         start += num_tokens
-    run = None
-    if num_decode == 1:
-        table, length = decode_block_tables[0], decode_context_lens[0]
-        used = table[: math.ceil(length / block_size)]
-        if used == list(range(used[0], used[0] + len(used))):
-            run = (used[0] * block_size, length)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decode=num_decode,
@@ -83,7 +75,6 @@ def build_metadata(
         decode_mask=mask,
         decode_context_lens=lens,
         prefills=tuple(spans),
-        decode_run=run,
     )
 
 
@@ -108,16 +99,12 @@ def paged_attention(
         od, _ = paged_decode_attention(q[: meta.num_decode].contiguous(), k_cache, v_cache,
                                        meta.decode_block_tables, meta.decode_context_lens, scale)
         outputs.append(od)  # [B, Hq, D]
-    elif meta.decode_run is not None and kv_head_map is None and meta.decode_run[1] >= WIDE_MIN_TOKENS:
-        outputs.append(attend_as_one_head(q[0], k_cache, v_cache, *meta.decode_run, scale)[None])  # [1, Hq, D]
-    elif meta.num_decode:
+    elif meta.num_decode and q.device.type == "cpu" and cpu_decode.available():
+        outputs.append(cpu_decode.paged_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, scale, kv_head_map))  # [B, Hq, D]
+    elif meta.num_decode:  # torch: gather each sequence's context, then SDPA
         mask = meta.decode_mask
-        if meta.decode_run is not None:  # [1, L, Hkv, D] views of the cache: nothing gathered, nothing masked
-            first, length = meta.decode_run
-            kd, vd = (c.view(-1, num_kv_heads, head_dim)[None, first:first + length] for c in (k_cache, v_cache))
-            mask = None
-        else:
-            kd, vd = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
+        kd, vd = gather_blocks(k_cache, meta.decode_block_tables), gather_blocks(v_cache, meta.decode_block_tables)
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, D]
         batch, num_heads = meta.num_decode, q.shape[1]
         if kv_head_map is None:  # plain GQA: a group's query heads are query rows of one KV head, read once
@@ -143,27 +130,6 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-WIDE_MIN_TOKENS = 2048  # shorter contexts attend faster as Hkv heads (bench/RESULTS.md, session 20)
-
-
-def attend_as_one_head(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first: int, length: int,
-                       scale: float) -> torch.Tensor:
-    """One decode query q [Hq, D] over the `length` cache rows from `first`, as one attention head of width
-    Hkv * D: the cache rows [L, Hkv * D] are contiguous, so SDPA's CPU kernel reads each once, in order
-    (~1.3x faster than over Hkv strided heads at 6,000 tokens). Query head j's row holds its query in its
-    KV head's D columns and zeros elsewhere, so its scores are exactly its own head's, and its output is
-    the block of the wide output under its KV head. Returns [Hq, D]."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    num_heads, width = q.shape[0], num_kv_heads * head_dim
-    group = num_heads // num_kv_heads
-    k, v = (c.view(-1, width)[None, None, first:first + length] for c in (k_cache, v_cache))  # [1, 1, L, Hkv * D]
-    rows = q.new_zeros(num_kv_heads, group, num_kv_heads, head_dim)  # [Hkv, G, Hkv, D]: head (h, g) in block h
-    rows.diagonal(dim1=0, dim2=2).copy_(q.view(num_kv_heads, group, head_dim).permute(1, 2, 0))  # [G, D, Hkv]
-    out = F.scaled_dot_product_attention(rows.view(1, 1, num_heads, width), k, v, scale=scale)  # [1, 1, Hq, Hkv * D]
-    blocks = out.view(num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=0, dim2=2)  # [G, D, Hkv]
-    return blocks.permute(2, 0, 1).reshape(num_heads, head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -96,28 +96,108 @@ def test_moe_permute_and_combine_match_indexing(dtype):
     assert permute_rows(x, torch.empty(0, dtype=torch.long)).shape == (0, dim)  # nothing routed here
 
 
-@pytest.mark.parametrize("table,wide_from", [([5, 6, 7], 2048), ([5, 6, 7], 1), ([9, 2, 7], 1)],
-                         ids=["blocks in a row", "blocks in a row, as one wide head", "scattered blocks"])
-def test_torch_decode_attention_over_a_view_or_a_gather_is_exact_attention(table, wide_from, monkeypatch):
-    """One decode sequence whose blocks lie in a row is attended over a view of the cache (no gather), from
-    `WIDE_MIN_TOKENS` on as one head of width Hkv * D: the same attention as over scattered blocks, checked
-    against the reference."""
-    from engine import attention
-    from engine.attention import build_metadata, paged_attention
+def _paged_case(g, *, batch, heads, kv_heads, head_dim, lens, block_size=16, dtype=torch.float32):
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in "kv")
+    blocks, width = torch.randperm(num_blocks, generator=g).tolist(), max(-(-n // block_size) for n in lens) + 1
+    tables = torch.zeros(batch, width, dtype=torch.long)  # each sequence's own scattered blocks, then padding
+    for b, n in enumerate(lens):
+        used = -(-n // block_size)
+        tables[b, :used] = torch.tensor(blocks[:used])
+        del blocks[:used]
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
-    monkeypatch.setattr(attention, "WIDE_MIN_TOKENS", wide_from)
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64),  # SmolLM2: groups of 3 attended together
+    (8, 1, 64),  # one KV head for 8 query heads: two passes of 4
+    (4, 2, 128),  # head size 128: passes of 2
+    (6, 2, 24),  # a head size the vector path does not take
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_paged_decode_kernel_matches_exact_attention(heads, kv_heads, head_dim, dtype):
+    """The C++ kernel reads each sequence's rows through its block table, over chunk boundaries (256 tokens)."""
+    from engine.kernels import cpu_decode
+
+    assert cpu_decode.available()  # make test installs the compiler: the kernel must build here
     g = torch.Generator().manual_seed(0)
-    block_size, heads, kv_heads, head_dim, context = 16, 6, 2, 8, 37
+    q, k_cache, v_cache, tables, lens = _paged_case(g, batch=4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                                    lens=[1, 37, 256, 700], dtype=dtype)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    ref, _ = paged_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 / fp16: the output's own rounding
+    torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance)
+
+
+def test_cpu_paged_decode_kernel_takes_a_kv_head_map():
+    """Tensor-parallel layouts replicate KV heads: query head h reads the KV head the map names."""
+    from engine.kernels import cpu_decode
+
+    g = torch.Generator().manual_seed(1)
+    q, k_cache, v_cache, tables, lens = _paged_case(g, batch=2, heads=4, kv_heads=3, head_dim=64, lens=[300, 20])
+    kv_head_map = torch.tensor([2, 0, 2, 1])
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, kv_head_map)
+    for h, kv in enumerate(kv_head_map.tolist()):
+        ref, _ = paged_reference(q[:, h:h + 1], k_cache[:, :, kv:kv + 1], v_cache[:, :, kv:kv + 1], tables, lens, 0.125)
+        torch.testing.assert_close(out[:, h:h + 1], ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"kv_head_map must give each of 4 query heads a KV head in \[0, 3\)"):
+        cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, torch.tensor([0, 1, 2, 3]))
+
+
+def test_cpu_paged_decode_kernel_is_batch_and_thread_invariant():
+    """A sequence's output is bit for bit the same alone or in a batch, on one thread or two: its chunks and
+    their merge order depend only on its length."""
+    from engine.kernels import cpu_decode
+
+    g = torch.Generator().manual_seed(2)
+    q, k_cache, v_cache, tables, lens = _paged_case(g, batch=3, heads=9, kv_heads=3, head_dim=64,
+                                                    lens=[900, 5, 513], dtype=torch.bfloat16)
+    batched = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for b in range(3):
+            alone = cpu_decode.paged_decode(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], lens[b:b + 1], 0.125)
+            assert torch.equal(alone[0], batched[b])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_paged_decode_kernel_refuses_reads_outside_the_cache():
+    from engine.kernels import cpu_decode
+
+    g = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, tables, lens = _paged_case(g, batch=1, heads=9, kv_heads=3, head_dim=64, lens=[40])
+    with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 1000 must be in \[1, 64\]"):
+        cpu_decode.paged_decode(q, k_cache, v_cache, tables, torch.tensor([1000], dtype=torch.int32), 0.125)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 1\] = 6 is not a block of the cache"):
+        cpu_decode.paged_decode(q, k_cache, v_cache, bad, lens, 0.125)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        cpu_decode.paged_decode(q.bfloat16(), k_cache, v_cache, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C++ kernel", "torch gather and SDPA"])
+def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel, monkeypatch):
+    """`paged_attention` stores the new token's K/V, then attends with the kernel, or with torch where the
+    kernel cannot be built; both against the reference."""
+    from engine.attention import build_metadata, paged_attention
+    from engine.kernels import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "available", lambda: kernel)
+    g = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
     k_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g)
-    q, k, v = (torch.randn(1, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    last = table[(context - 1) // block_size] * block_size + (context - 1) % block_size  # the new token's slot
-    meta = build_metadata(slot_mapping=[last], decode_block_tables=[table], decode_context_lens=[context],
+    tables, contexts = [[9, 2, 7], [4, 5]], [37, 20]
+    q, k, v = (torch.randn(2, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    last = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, contexts)]
+    meta = build_metadata(slot_mapping=last, decode_block_tables=tables, decode_context_lens=contexts,
                           prefill_chunks=[], block_size=block_size, device=torch.device("cpu"))
-    assert (meta.decode_run is not None) == (table == [5, 6, 7])
     out = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
-    ref_out, _ = paged_reference(q, k_cache, v_cache, torch.tensor([table]), torch.tensor([context]),
-                                 head_dim**-0.5)
-    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[last], k[0])
-    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[last], k)
+    ref, _ = paged_reference(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
