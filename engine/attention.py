@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import RopeScaling
-from engine.kernels import cpu_decode
+from engine.kernels import cpu_decode, cpu_ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ def paged_attention(
         od, _ = paged_decode_attention(q[: meta.num_decode].contiguous(), k_cache, v_cache,
                                        meta.decode_block_tables, meta.decode_context_lens, scale)
         outputs.append(od)  # [B, Hq, D]
-    elif meta.num_decode and q.device.type == "cpu" and cpu_decode.available():
+    elif meta.num_decode and q.device.type == "cpu" and cpu_ops.available():
         outputs.append(cpu_decode.paged_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode_block_tables,
                                                meta.decode_context_lens, scale, kv_head_map))  # [B, Hq, D]
     elif meta.num_decode:  # torch: gather each sequence's context, then SDPA

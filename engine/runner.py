@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from engine.attention import build_metadata
-from engine.kernels import cpu_decode
+from engine.kernels import cpu_ops
 from engine.kv_cache import KVCache, KVStripe
 from engine.model import Transformer
 from engine.step_plan import StepPlan
@@ -25,7 +25,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         if device.type == "cpu":
-            cpu_decode.available()  # built (or found built) now, not in the first decode step
+            cpu_ops.available()  # built (or found built) now, not in the first decode step
         self.last_choices: list = []  # pass-KV/pass-Q choice per prefill chunk of the last step (context parallel)
 
     @torch.inference_mode()

@@ -118,9 +118,9 @@ def _paged_case(g, *, batch, heads, kv_heads, head_dim, lens, block_size=16, dty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_paged_decode_kernel_matches_exact_attention(heads, kv_heads, head_dim, dtype):
     """The C++ kernel reads each sequence's rows through its block table, over chunk boundaries (256 tokens)."""
-    from engine.kernels import cpu_decode
+    from engine.kernels import cpu_decode, cpu_ops
 
-    assert cpu_decode.available()  # make test installs the compiler: the kernel must build here
+    assert cpu_ops.available()  # make test installs the compiler: the kernel must build here
     g = torch.Generator().manual_seed(0)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                                     lens=[1, 37, 256, 700], dtype=dtype)
@@ -185,9 +185,9 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     """`paged_attention` stores the new token's K/V, then attends with the kernel, or with torch where the
     kernel cannot be built; both against the reference."""
     from engine.attention import build_metadata, paged_attention
-    from engine.kernels import cpu_decode
+    from engine.kernels import cpu_ops
 
-    monkeypatch.setattr(cpu_decode, "available", lambda: kernel)
+    monkeypatch.setattr(cpu_ops, "available", lambda: kernel)
     g = torch.Generator().manual_seed(0)
     block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
     k_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g)

@@ -26,7 +26,7 @@ namespace {
 
 constexpr int64_t CHUNK = 256;
 
-// 16 floats as one vector (GCC/Clang vector extensions: AVX-512 registers where the CPU has them, pairs of
+// 16 floats as one vector (GCC/Clang vector extensions: one AVX-512 register where the CPU has them, two
 // AVX2 or four NEON registers elsewhere).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -324,7 +324,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-TORCH_LIBRARY(infermesh_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "Tensor kv_head, float scale) -> Tensor", &paged_decode);
 }
