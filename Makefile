@@ -45,6 +45,7 @@ test: setup
 bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/decode.py
+	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/kvtransfer.py
 	$(BIN)/python bench/mesh.py
 	$(BIN)/python bench/push.py

@@ -57,6 +57,11 @@ def test_experts_bench_runs():
     assert "| 1 |" in proc.stdout and "| 16 |" in proc.stdout
 
 
+def test_attention_bench_runs():
+    proc = run_quick("attention.py", timeout=300)
+    assert "| 2 | 40 |" in proc.stdout
+
+
 def test_decode_bench_runs():
     proc = run_quick("decode.py", timeout=300)
     assert "| 2 | 64 |" in proc.stdout and "| 1 | 300 |" in proc.stdout

@@ -165,6 +165,44 @@ def test_cpu_paged_decode_kernel_is_batch_and_thread_invariant():
         torch.set_num_threads(threads)
 
 
+def test_cpu_paged_decode_kernel_keeps_the_calling_threads_intra_op_count():
+    """A thread's intra-op count is its own (engine.threads): the engine's thread keeps its count through its
+    first kernel call though another thread (a gRPC handler) set 1 meanwhile. at::parallel_for compiled into
+    the kernel's library reset it to the count last set anywhere, and decode through the mesh ran on one core."""
+    import threading
+
+    from engine.kernels import cpu_decode
+
+    g = torch.Generator().manual_seed(4)
+    args = _paged_case(g, batch=2, heads=9, kv_heads=3, head_dim=64, lens=[600, 300])
+    engine_ready, other_done, counts = threading.Event(), threading.Event(), []
+
+    def engine_thread():
+        torch.set_num_threads(2)
+        torch.ones(1 << 20).sum()  # a parallel op: torch has set this thread up
+        engine_ready.set()
+        other_done.wait()
+        cpu_decode.paged_decode(*args, 0.125)  # this thread's first kernel call
+        counts.append(torch.get_num_threads())
+
+    def handler_thread():
+        engine_ready.wait()
+        torch.set_num_threads(1)
+        torch.ones(4).sum()
+        other_done.set()
+
+    threads = [threading.Thread(target=engine_thread), threading.Thread(target=handler_thread)]
+    before = torch.get_num_threads()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+    assert counts == [2]
+
+
 def test_cpu_paged_decode_kernel_refuses_reads_outside_the_cache():
     from engine.kernels import cpu_decode
 

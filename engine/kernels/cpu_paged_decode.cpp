@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -248,6 +250,20 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int6
   }
 }
 
+// f(begin, end) over [0, n) in contiguous ranges, one per intra-op thread of the calling thread. Not
+// at::parallel_for: compiled into this library, its "first parallel region on this thread" set-up would give
+// the calling thread the count last set on any thread (a gRPC handler's 1, say), not its own.
+template <typename F>
+void parallel_for(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || omp_in_parallel()) return f(0, n);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t per = (n + threads - 1) / threads, begin = omp_get_thread_num() * per;
+    if (begin < n) f(begin, std::min(n, begin + per));
+  }
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& lens, const at::Tensor& kv_heads, double scale, at::Tensor& out) {
@@ -278,7 +294,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                            return a.size() < b.size();
                          })->size();
 
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(items, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(widest * CHUNK);
     std::vector<int64_t> rows(CHUNK);
     int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
@@ -292,7 +308,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(batch, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(HD);
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t h = 0; h < heads; ++h) {
