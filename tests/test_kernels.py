@@ -239,3 +239,29 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[last], k)
     ref, _ = paged_reference(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernels_build_past_a_stale_lock_and_an_unfinished_library_and_say_when_they_cannot(tmp_path):
+    """The build as a fresh machine meets it: a lock left by a killed build does not stall it, a library cut
+    short by one is built again, and without a compiler the engine is told why (and attends with torch)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from engine.kernels import cpu_ops
+
+    def build(env_dir, **env):
+        return subprocess.run([sys.executable, "-m", "engine.kernels.cpu_ops"], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(env_dir), **env})
+
+    library = cpu_ops.library_path(tmp_path)
+    library.parent.mkdir(parents=True)
+    (library.parent / "lock").touch()
+    os.utime(library.parent / "lock", (time.time() - 3600,) * 2)
+    assert build(tmp_path).returncode == 0 and library.exists()
+    library.write_bytes(b"\x7fELF cut short")
+    assert build(tmp_path).returncode == 0
+    assert library.read_bytes()[:4] == b"\x7fELF" and library.stat().st_size > 10_000
+    failed = build(tmp_path / "no-compiler", CXX="false")
+    assert failed.returncode == 1 and "CPU kernels not built" in failed.stderr

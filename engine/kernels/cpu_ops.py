@@ -1,8 +1,10 @@
 """The C++ CPU kernels (`engine/kernels/*.cpp`), built into one torch library, `torch.ops.infermesh_cpu`.
 
 They are compiled for this machine's CPU with torch's cpp_extension on first use (g++ and ninja; ~20 s
-once, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR, by a name that hashes the
-sources, the CPU's flags and torch's version). `available()` says whether they could be built; where they
+once) into $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)/<name>, where the name hashes the
+sources, the CPU's flags and torch's version: a library found there is current, and later processes load
+it straight away (no ninja run, no build lock to wait on; a process killed while holding torch's build
+lock would otherwise stall every later load). `available()` says whether they could be built; where they
 cannot, the engine computes with torch instead and logs why once. `python -m engine.kernels.cpu_ops`
 builds them now (`make setup` does).
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("cpu_*.cpp"))
+STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
 
 
 def _cpu_flags() -> str:
@@ -29,20 +34,38 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def library_path(root: str | Path | None = None) -> Path:
+    """Where this machine's build of the kernels lies (built or not), under `root` or the default."""
+    code = b"".join(p.read_bytes() for p in SOURCES)
+    # -march=native: the build is for this CPU, so its name hashes the CPU's flags as well
+    name = "infermesh_cpu_" + hashlib.sha256(code + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
+    root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name / f"{name}.so"
+
+
 @functools.cache
 def ops():
     """torch.ops.infermesh_cpu, built if need be (raises where it cannot be)."""
+    library = library_path()
+    if library.exists():
+        try:
+            torch.ops.load_library(str(library))
+            return torch.ops.infermesh_cpu
+        except OSError:  # a build killed while linking left it unfinished: build it again
+            library.unlink(missing_ok=True)
     from torch.utils import cpp_extension
 
-    code = b"".join(p.read_bytes() for p in SOURCES)
-    # -march=native: the build is for this CPU, so its cache entry is named by the CPU's flags as well
-    key = hashlib.sha256(code + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
-    # OpenMP: at::parallel_for then runs on torch's own thread pool (the same libgomp, found by its soname)
+    build = library.parent
+    build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    # OpenMP: the kernels' parallel regions run on torch's own thread pool (the same libgomp, by its soname)
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     if platform.machine() == "x86_64":
         flags.append("-mprefer-vector-width=512")  # where AVX-512 is, use all of it (gcc defaults to 256 bits)
-    cpp_extension.load(name=f"infermesh_cpu_{key}", sources=[str(p) for p in SOURCES], is_python_module=False,
-                       extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    cpp_extension.load(name=library.stem, sources=[str(p) for p in SOURCES], build_directory=str(build),
+                       is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])
     return torch.ops.infermesh_cpu
 
 
