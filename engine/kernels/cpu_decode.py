@@ -46,4 +46,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _groups(num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Plain GQA: query head h reads KV head h // (Hq / Hkv)."""
     return torch.arange(num_heads) // (num_heads // num_kv_heads)
-
