@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import cpu_decode, cpu_ops
 from engine.kernels.lse_merge import merge_lse
 from engine.kernels.moe_permute import combine_rows, permute_rows
 from engine.kernels.paged_decode import paged_decode_attention
@@ -118,8 +119,6 @@ def _paged_case(g, *, batch, heads, kv_heads, head_dim, lens, block_size=16, dty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_paged_decode_kernel_matches_exact_attention(heads, kv_heads, head_dim, dtype):
     """The C++ kernel reads each sequence's rows through its block table, over chunk boundaries (256 tokens)."""
-    from engine.kernels import cpu_decode, cpu_ops
-
     assert cpu_ops.available()  # make test installs the compiler: the kernel must build here
     g = torch.Generator().manual_seed(0)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -133,8 +132,6 @@ def test_cpu_paged_decode_kernel_matches_exact_attention(heads, kv_heads, head_d
 
 def test_cpu_paged_decode_kernel_takes_a_kv_head_map():
     """Tensor-parallel layouts replicate KV heads: query head h reads the KV head the map names."""
-    from engine.kernels import cpu_decode
-
     g = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=2, heads=4, kv_heads=3, head_dim=64, lens=[300, 20])
     kv_head_map = torch.tensor([2, 0, 2, 1])
@@ -149,8 +146,6 @@ def test_cpu_paged_decode_kernel_takes_a_kv_head_map():
 def test_cpu_paged_decode_kernel_is_batch_and_thread_invariant():
     """A sequence's output is bit for bit the same alone or in a batch, on one thread or two: its chunks and
     their merge order depend only on its length."""
-    from engine.kernels import cpu_decode
-
     g = torch.Generator().manual_seed(2)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=3, heads=9, kv_heads=3, head_dim=64,
                                                     lens=[900, 5, 513], dtype=torch.bfloat16)
@@ -170,8 +165,6 @@ def test_cpu_paged_decode_kernel_keeps_the_calling_threads_intra_op_count():
     first kernel call though another thread (a gRPC handler) set 1 meanwhile. at::parallel_for compiled into
     the kernel's library reset it to the count last set anywhere, and decode through the mesh ran on one core."""
     import threading
-
-    from engine.kernels import cpu_decode
 
     g = torch.Generator().manual_seed(4)
     args = _paged_case(g, batch=2, heads=9, kv_heads=3, head_dim=64, lens=[600, 300])
@@ -204,8 +197,6 @@ def test_cpu_paged_decode_kernel_keeps_the_calling_threads_intra_op_count():
 
 
 def test_cpu_paged_decode_kernel_refuses_reads_outside_the_cache():
-    from engine.kernels import cpu_decode
-
     g = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=1, heads=9, kv_heads=3, head_dim=64, lens=[40])
     with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 1000 must be in \[1, 64\]"):
@@ -223,8 +214,6 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     """`paged_attention` stores the new token's K/V, then attends with the kernel, or with torch where the
     kernel cannot be built; both against the reference."""
     from engine.attention import build_metadata, paged_attention
-    from engine.kernels import cpu_ops
-
     monkeypatch.setattr(cpu_ops, "available", lambda: kernel)
     g = torch.Generator().manual_seed(0)
     block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
@@ -248,8 +237,6 @@ def test_cpu_kernels_build_past_a_stale_lock_and_an_unfinished_library_and_say_w
     import subprocess
     import sys
     import time
-
-    from engine.kernels import cpu_ops
 
     def build(env_dir, **env):
         return subprocess.run([sys.executable, "-m", "engine.kernels.cpu_ops"], capture_output=True, text=True,
