@@ -307,26 +307,24 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
   });
 
+  // each sequence's chunks merged by log-sum-exp in chunk order: little work, on this thread
   T* op = out.data_ptr<T>();
-  parallel_for(batch, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(HD);
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t h = 0; h < heads; ++h) {
-        float m = row_max[first_item[b] * heads + h];
-        for (int64_t i = first_item[b] + 1; i < first_item[b + 1]; ++i) m = std::max(m, row_max[i * heads + h]);
-        float total = 0.f;
-        float* mh = merged.data() + h * s.head_dim;
-        std::fill(mh, mh + s.head_dim, 0.f);
-        for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
-          const float w = std::exp(row_max[i * heads + h] - m);
-          total += w * row_sum[i * heads + h];
-          const float* ah = acc.data() + i * HD + h * s.head_dim;
-          for (int64_t d = 0; d < s.head_dim; ++d) mh[d] += w * ah[d];
-        }
-        for (int64_t d = 0; d < s.head_dim; ++d) op[b * HD + h * s.head_dim + d] = static_cast<T>(mh[d] / total);
+  std::vector<float> merged(s.head_dim);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float m = row_max[first_item[b] * heads + h];
+      for (int64_t i = first_item[b] + 1; i < first_item[b + 1]; ++i) m = std::max(m, row_max[i * heads + h]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
+        const float w = std::exp(row_max[i * heads + h] - m);
+        total += w * row_sum[i * heads + h];
+        const float* ah = acc.data() + i * HD + h * s.head_dim;
+        for (int64_t d = 0; d < s.head_dim; ++d) merged[d] += w * ah[d];
       }
+      for (int64_t d = 0; d < s.head_dim; ++d) op[b * HD + h * s.head_dim + d] = static_cast<T>(merged[d] / total);
     }
-  });
+  }
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
