@@ -124,7 +124,7 @@ inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
 }
 
 // Rows prefetched ahead of the one in use (a KV head's part of a row is strided, which the hardware
-// prefetcher follows poorly): 10.3 -> 8.5 ms for 30 layers of 6,000 tokens on 2 cores (bench/RESULTS.md).
+// prefetcher follows poorly): 19-20 -> 10-12 ms for 30 layers of 6,000 tokens on 2 cores (bench/RESULTS.md).
 constexpr int64_t AHEAD = 32;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
