@@ -230,9 +230,10 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_kernels_build_past_a_stale_lock_and_an_unfinished_library_and_say_when_they_cannot(tmp_path):
+def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_when_they_are_not_used(tmp_path):
     """The build as a fresh machine meets it: a lock left by a killed build does not stall it, a library cut
-    short by one is built again, and without a compiler the engine is told why (and attends with torch)."""
+    short by one is built again, and without a compiler, or switched off, the engine is told why (and attends
+    with torch)."""
     import os
     import subprocess
     import sys
@@ -252,3 +253,5 @@ def test_cpu_kernels_build_past_a_stale_lock_and_an_unfinished_library_and_say_w
     assert library.read_bytes()[:4] == b"\x7fELF" and library.stat().st_size > 10_000
     failed = build(tmp_path / "no-compiler", CXX="false")
     assert failed.returncode == 1 and "CPU kernels not built" in failed.stderr
+    off = build(tmp_path, INFERMESH_CPU_KERNELS="off")  # built, but switched off
+    assert off.returncode == 1 and "CPU kernels off (INFERMESH_CPU_KERNELS)" in off.stderr

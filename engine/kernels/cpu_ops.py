@@ -5,7 +5,8 @@ once) into $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)/<name>, whe
 sources, the CPU's flags and torch's version: a library found there is current, and later processes load
 it straight away (no ninja run, no build lock to wait on; a process killed while holding torch's build
 lock would otherwise stall every later load). `available()` says whether they could be built; where they
-cannot, the engine computes with torch instead and logs why once. `python -m engine.kernels.cpu_ops`
+cannot, or where INFERMESH_CPU_KERNELS=off (a switch for operators: a CPU the build misjudges, a
+comparison), the engine computes with torch instead and logs why once. `python -m engine.kernels.cpu_ops`
 builds them now (`make setup` does).
 """
 
@@ -71,7 +72,10 @@ def ops():
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are built (building them now if need be)."""
+    """Whether the kernels are built (building them now if need be) and not switched off."""
+    if os.environ.get("INFERMESH_CPU_KERNELS", "on").lower() in ("off", "0", "false"):
+        log.warning("CPU kernels off (INFERMESH_CPU_KERNELS); the engine computes with torch instead")
+        return False
     try:
         ops()
         return True
