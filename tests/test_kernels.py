@@ -207,6 +207,10 @@ def test_cpu_paged_decode_kernel_refuses_reads_outside_the_cache():
         cpu_decode.paged_decode(q, k_cache, v_cache, bad, lens, 0.125)
     with pytest.raises(ValueError, match="must share a dtype"):
         cpu_decode.paged_decode(q.bfloat16(), k_cache, v_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match=r"query heads \(9\) must be a multiple of KV heads \(2\)"):
+        cpu_decode.paged_decode(q, k_cache[:, :, :2], v_cache[:, :, :2], tables, lens, 0.125)
+    with pytest.raises(ValueError, match="must have 1 rows"):  # the checks every decode kernel makes
+        cpu_decode.paged_decode(q, k_cache, v_cache, tables.expand(2, -1), lens, 0.125)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C++ kernel", "torch gather and SDPA"])

@@ -16,25 +16,18 @@ import functools
 import torch
 
 from engine.kernels.cpu_ops import ops
+from engine.kernels.decode_checks import check_decode_shapes
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, kv_head_map: torch.Tensor | None = None) -> torch.Tensor:
-    batch, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit queries "
-                         f"{tuple(q.shape)}")
+    check_decode_shapes(q, k_cache, v_cache, block_tables, context_lens, grouped=kv_head_map is None)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"query {q.dtype} and caches {k_cache.dtype} / {v_cache.dtype} must share a dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must have {batch} rows")
     if kv_head_map is None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
         kv_head_map = _groups(num_heads, num_kv_heads)
     elif kv_head_map.shape != (num_heads,) or not 0 <= kv_head_map.min() <= kv_head_map.max() < num_kv_heads:
         raise ValueError(f"kv_head_map must give each of {num_heads} query heads a KV head in [0, {num_kv_heads})")

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.decode_checks import check_decode_shapes
 from engine.kernels.lse_merge import merge_lse
 
 
@@ -66,16 +67,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, Hq, D] in q's dtype, lse [B, Hq] float32)."""
+    check_decode_shapes(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if k_cache.shape != v_cache.shape or kv_dim != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         f"[blocks, block_size, kv_heads, {head_dim}]")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must have {batch} rows")
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if (q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
             or block_size & (block_size - 1)):
         raise ValueError("q and the caches need a contiguous last dim, equal cache strides and a power-of-2 block size")
