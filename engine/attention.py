@@ -167,6 +167,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`, in place on CPU (the C++ kernel, the same roundings; x is returned), else a new tensor:
+    callers pass an x they own and use what is returned."""
+    if x.stride(-1) == 1 and cpu_ops.takes(x, cos, sin):
+        return cpu_ops.ops().rope_(x, cos, sin)
+    return apply_rope(x, cos, sin)
+
+
 def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     if s.kind == "linear":
         return inv_freq / s.factor

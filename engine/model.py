@@ -15,22 +15,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, RotaryEmbedding, apply_rope, paged_attention
+from engine.attention import AttentionMetadata, RotaryEmbedding, paged_attention, rotate_
 from engine.config import ModelConfig
+from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm: float32 statistics, `weight * (x * rstd).to(dtype)`. On CPU one C++ pass over
+    each row (engine/kernels/cpu_norm_rope.cpp) computes the same in place of torch's chain of small ops."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and cpu_ops.takes(x, self.weight):
+            return cpu_ops.ops().rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add and the next norm in one pass on CPU."""
+        if x.is_contiguous() and delta.is_contiguous() and cpu_ops.takes(x, delta, self.weight):
+            return cpu_ops.ops().add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 class Linear(nn.Linear):
@@ -65,7 +78,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = rotate_(q, *rope), rotate_(k, *rope)
         out = self.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kv_head_map)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
@@ -94,8 +107,9 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, kv_cache,
+                                                                           meta))
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):

@@ -234,6 +234,57 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["C++ kernels", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_and_rope_on_cpu_match_transformers(kernel, dtype, monkeypatch):
+    """The model's RMSNorm (alone, and after the residual add) and the rotation of query and key heads, with
+    the C++ kernels or torch's ops, against transformers' LlamaRMSNorm and apply_rotary_pos_emb: rotations
+    exact; norms at most one rounding of the dtype apart (a row's sum of squares runs in another order).
+    300 rows of 576 run on two threads."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from engine.attention import RotaryEmbedding, rotate_
+    from engine.config import RopeScaling
+    from engine.model import RMSNorm
+    monkeypatch.setattr(cpu_ops, "available", lambda: kernel)
+    g = torch.Generator().manual_seed(0)
+    one_rounding = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    for tokens, dim in [(1, 576), (300, 576), (5, 24)]:
+        x, delta = ((torch.randn(tokens, dim, generator=g) * 3).to(dtype) for _ in "xd")
+        ours, theirs = RMSNorm(dim, 1e-5).to(dtype), LlamaRMSNorm(dim, 1e-5).to(dtype)
+        ours.weight.data = theirs.weight.data = torch.randn(dim, generator=g).to(dtype)
+        torch.testing.assert_close(ours(x), theirs(x), rtol=one_rounding, atol=1e-6)
+        total, normed = ours.add_forward(x, delta)
+        assert torch.equal(total, x + delta)
+        torch.testing.assert_close(normed, theirs(x + delta), rtol=one_rounding, atol=1e-6)
+    exact = 1e-6 if dtype == torch.float32 else 0  # float32: fused multiply-adds
+    for tokens, heads, kv_heads, dim in [(1, 9, 3, 64), (40, 12, 4, 64), (7, 3, 1, 24)]:
+        rope = RotaryEmbedding(dim, 4096, 10000.0, RopeScaling())
+        cos, sin = rope.tables(torch.randint(0, 4096, (tokens,), generator=g), dtype)  # [T, 1, D]
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+        q, k, _ = qkv.view(tokens, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)  # views
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0], unsqueeze_dim=1)
+        got_q, got_k = rotate_(q, cos, sin), rotate_(k, cos, sin)
+        torch.testing.assert_close(got_q, want_q, rtol=exact, atol=exact)
+        torch.testing.assert_close(got_k, want_k, rtol=exact, atol=exact)
+
+
+def test_cpu_norm_and_rope_kernels_refuse_what_they_cannot_read():
+    ops, x, w = cpu_ops.ops(), torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        ops.rms_norm(x.t(), torch.randn(4), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be \[8\]"):
+        ops.rms_norm(x, torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        ops.add_rms_norm(x, x, w.double(), 1e-5)
+    with pytest.raises(RuntimeError, match="delta must be contiguous"):
+        ops.add_rms_norm(x, x[:2], w, 1e-5)
+    with pytest.raises(RuntimeError, match="D even"):
+        ops.rope_(torch.randn(2, 3, 5), torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[2, \.\.\., 8\]"):
+        ops.rope_(torch.randn(2, 3, 8), torch.randn(3, 8), torch.randn(2, 8))
+
+
 def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_when_they_are_not_used(tmp_path):
     """The build as a fresh machine meets it: a lock left by a killed build does not stall it, a library cut
     short by one is built again, and without a compiler, or switched off, the engine is told why (and attends

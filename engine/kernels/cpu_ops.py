@@ -7,7 +7,7 @@ it straight away (no ninja run, no build lock to wait on; a process killed while
 lock would otherwise stall every later load). `available()` says whether they could be built; where they
 cannot, or where INFERMESH_CPU_KERNELS=off (a switch for operators: a CPU the build misjudges, a
 comparison), the engine computes with torch instead and logs why once. `python -m engine.kernels.cpu_ops`
-builds them now (`make setup` does).
+builds them now (`make setup` does). `takes(*tensors)` says whether they run on a set of inputs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("cpu_*.cpp"))
+HEADERS = sorted(HERE.glob("cpu_*.h"))
 STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
 
 
@@ -37,7 +38,7 @@ def _cpu_flags() -> str:
 
 def library_path(root: str | Path | None = None) -> Path:
     """Where this machine's build of the kernels lies (built or not), under `root` or the default."""
-    code = b"".join(p.read_bytes() for p in SOURCES)
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     # -march=native: the build is for this CPU, so its name hashes the CPU's flags as well
     name = "infermesh_cpu_" + hashlib.sha256(code + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
     root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
@@ -83,6 +84,16 @@ def available() -> bool:
         log.warning("CPU kernels not built (%s); the engine computes with torch instead",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels run on these inputs: on the CPU, in one of their dtypes, and built."""
+    dtype = tensors[0].dtype
+    return (dtype in KERNEL_DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and available())
 
 
 if __name__ == "__main__":

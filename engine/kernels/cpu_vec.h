@@ -1,0 +1,109 @@
+// What the CPU kernels share: float32 vectors of 16 lanes over the model's dtypes, and a parallel loop on
+// the calling thread's intra-op threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace infermesh_cpu {
+
+// 16 floats as one vector (GCC/Clang vector extensions: one AVX-512 register where the CPU has them, two
+// AVX2 or four NEON registers elsewhere).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
+
+template <typename T>
+inline f32x16 load16(const T* p) {
+  f32x16 v;
+  for (int j = 0; j < 16; ++j) v[j] = to_float(p[j]);
+  return v;
+}
+template <>
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <>
+inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  u16x16 bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return (f32x16)(__builtin_convertvector(bits, u32x16) << 16);
+}
+
+inline float sum16(f32x16 v) {  // halve and add: in registers with GCC >= 12 or Clang, through memory before
+#if defined(__clang__) || __GNUC__ >= 12
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+  f32x8 a, a_hi;
+  std::memcpy(&a, &v, sizeof a);
+  std::memcpy(&a_hi, reinterpret_cast<const char*>(&v) + sizeof a, sizeof a_hi);
+  a += a_hi;
+  f32x4 b, b_hi;
+  std::memcpy(&b, &a, sizeof b);
+  std::memcpy(&b_hi, reinterpret_cast<const char*>(&a) + sizeof b, sizeof b_hi);
+  b += b_hi;
+#endif
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes; stored.
+template <typename T>
+inline f32x16 rounded(f32x16 v) {
+  for (int j = 0; j < 16; ++j) v[j] = to_float(static_cast<T>(v[j]));
+  return v;
+}
+template <>
+inline f32x16 rounded<float>(f32x16 v) { return v; }
+template <>
+inline f32x16 rounded<c10::BFloat16>(f32x16 v) {  // c10::BFloat16's rounding, 16 lanes at once
+  const u32x16 bits = (u32x16)v;
+  const u32x16 even = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = u32x16{} + 0x7FC00000u;  // the one bf16 NaN c10 rounds every NaN to
+  return (f32x16)((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : even);
+}
+
+template <typename T>
+inline void store16(T* p, f32x16 v) {
+  for (int j = 0; j < 16; ++j) p[j] = static_cast<T>(v[j]);
+}
+template <>
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+template <>
+inline void store16(c10::BFloat16* p, f32x16 v) {  // the top half of each rounded float32
+  const u16x16 bits = __builtin_convertvector((u32x16)rounded<c10::BFloat16>(v) >> 16, u16x16);
+  std::memcpy(p, &bits, sizeof bits);
+}
+
+// f(begin, end) over [0, n) in contiguous ranges, one per intra-op thread of the calling thread. Not
+// at::parallel_for: compiled into this library, its "first parallel region on this thread" set-up would give
+// the calling thread the count last set on any thread (a gRPC handler's 1, say), not its own.
+template <typename F>
+void parallel_for(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || omp_in_parallel()) return f(0, n);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t per = (n + threads - 1) / threads, begin = omp_get_thread_num() * per;
+    if (begin < n) f(begin, std::min(n, begin + per));
+  }
+}
+
+}  // namespace infermesh_cpu
