@@ -2,7 +2,7 @@
 the paged cache grows with the context (the long-context goal of #13 is batch 1 at 6,000 tokens).
 
     python bench/decode.py [--quick] [--dtype bfloat16] [--quantization none] [--cases 1x6000 8x1000 32x200 1x200]
-                           [--mesh]
+                           [--no-batch-invariant] [--mesh]
 
 A case BxL runs B sequences whose prompts are L tokens, prefills them, then times `--steps` decode
 steps (every sequence has its first token by then). Prints a markdown table. `--mesh` then sends each
@@ -68,13 +68,17 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", help="none | int8")
     parser.add_argument("--cases", nargs="+", default=["1x6000", "8x1000", "32x200", "1x200"])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="1-8 rows through the few-row kernel (EngineConfig.batch_invariant=False)")
     parser.add_argument("--mesh", action="store_true", help="batch-1 cases through the mesh as well")
     args = parser.parse_args()
     cases = [(2, 64), (1, 300)] if args.quick else [tuple(map(int, c.split("x"))) for c in args.cases]
     steps = 4 if args.quick else args.steps
     core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, args.dtype)),
-                      EngineConfig(dtype=args.dtype, max_num_batched_tokens=2048, quantization=args.quantization))
-    print(f"\n{args.dtype}, weights {args.quantization}, {torch.get_num_threads()} threads, "
+                      EngineConfig(dtype=args.dtype, max_num_batched_tokens=2048, quantization=args.quantization,
+                                   batch_invariant=args.batch_invariant))
+    print(f"\n{args.dtype}, weights {args.quantization}, batch-invariant {args.batch_invariant}, "
+          f"{torch.get_num_threads()} threads, "
           f"{steps} decode steps per case\n")
     print("| batch | context | decode tok/s |\n|---|---|---|")
     rates = {}
@@ -87,7 +91,8 @@ def main() -> None:
               + "|---" * (2 + len(MESH_LAYOUTS)) + "|")
         for batch, context in cases:
             if batch == 1:
-                mesh = [mesh_rate(flags, args.dtype, context, steps) for flags in MESH_LAYOUTS.values()]
+                extra = () if args.batch_invariant else ("--no-batch-invariant",)
+                mesh = [mesh_rate((*flags, *extra), args.dtype, context, steps) for flags in MESH_LAYOUTS.values()]
                 print(f"| {context} | {rates[1, context]:.1f} | "
                       + " | ".join(f"{r:.1f} ({r / rates[1, context]:.2f})" for r in mesh) + " |", flush=True)
 

@@ -1,4 +1,5 @@
-"""Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 with int8 weights) next to transformers, same run.
+"""Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 without batch invariance, bf16 with int8 weights)
+next to transformers, same run.
 
     python bench/engine.py [--quick] [--out bench/RESULTS.md]
 
@@ -28,11 +29,11 @@ from engine.weights import load_checkpoint  # noqa: E402
 PROMPT_TOKENS = [504, 3575, 282, 4649, 314]  # any short prompt; decode cost barely depends on it
 
 
-def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int,
-                    quantization: str = "none") -> dict[str, float]:
+def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int, quantization: str = "none",
+                    batch_invariant: bool = True) -> dict[str, float]:
     core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, dtype)),
                       EngineConfig(dtype=dtype, max_num_batched_tokens=max(2048, prefill_len),
-                                   quantization=quantization))
+                                   quantization=quantization, batch_invariant=batch_invariant))
     greedy = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     rates = {}
     for b in (1, batch):
@@ -83,6 +84,7 @@ def main() -> None:
     batch, steps, prefill = (4, 4, 128) if args.quick else (32, 32, 2048)
     rows = []
     runs = [("infermesh", "float32", infermesh_rates, {}), ("infermesh", "bfloat16", infermesh_rates, {}),
+            ("infermesh", "bfloat16, not batch-invariant", infermesh_rates, {"batch_invariant": False}),
             ("infermesh", "bfloat16, int8 weights", infermesh_rates, {"quantization": "int8"}),
             ("transformers", "float32", transformers_rates, {}), ("transformers", "bfloat16", transformers_rates, {})]
     for name, label, fn, options in runs:

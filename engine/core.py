@@ -51,6 +51,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     seed: int | None = None  # for requests without a seed of their own
     quantization: str = "none"  # or int8: weight-only, for low-latency decode at few streams (engine/quantize.py)
+    # False: CPU decode of 1-8 rows through infermesh's few-row kernel, faster, its rows matching each other
+    # in any such batch but not what torch's GEMM gives larger batches (engine/model.py, Linear)
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES_BY_NAME:
@@ -102,7 +105,8 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or num_blocks_for(cfg, config.block_size, config.torch_dtype,
                                                             config.kv_cache_bytes, kv_heads)
         layout = dict(dtype=config.torch_dtype, device=config.device, block_size=config.block_size,
-                      num_blocks=num_blocks, quantization=config.quantization, kv_memory=kv_memory)
+                      num_blocks=num_blocks, quantization=config.quantization, kv_memory=kv_memory,
+                      batch_invariant=config.batch_invariant)
         if parallel.world_size == 1:
             self.executor = build_runner(checkpoint, connect(None, 0, parallel, host=rendezvous.host), **layout)
         else:

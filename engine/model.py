@@ -47,10 +47,21 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that multiplies one bf16 row on CPU as a matrix-vector product: the same result bit for
-    bit, and torch's `mv` reads the weight ~1.5x faster than its `mm` with one row (batch-1 decode)."""
+    """`nn.Linear` with two CPU paths for decode at small batch.
+
+    Batch-invariant (the default): one bf16 row is multiplied as a matrix-vector product, bit for bit what
+    the row gets inside a batched `F.linear` (torch's AMX GEMM, up to 32 rows), and torch's `mv` reads the
+    weight ~1.5x faster than its `mm` with one row. With `few_rows` set (the engine's
+    `batch_invariant=False`), 1 to `few_rows` rows go through the C++ few-row kernel
+    (engine/kernels/cpu_linear.cpp), which streams the weight faster still: rows then match each other in
+    any batch up to `few_rows`, not what larger batches get from torch's GEMM."""
+
+    few_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 1 <= x.shape[0] <= self.few_rows and cpu_ops.takes(x, self.weight):
+            out = cpu_ops.ops().linear(x, self.weight)  # [N, out]
+            return out if self.bias is None else out + self.bias
         if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and self.bias is None:
             return torch.mv(self.weight, x[0]).unsqueeze(0)  # [1, out]

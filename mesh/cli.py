@@ -48,6 +48,8 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="Off: faster CPU decode at 1-8 rows (engine/model.py, Linear)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
@@ -71,7 +73,8 @@ def generate(
     if target:
         ids, deltas = _remote_stream(target, prompt, chat, sampling)
     else:
-        options = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method, quantization=quantization)
+        options = dict(tp=tp, cp=cp, ep=ep, cp_method=cp_method, quantization=quantization,
+                       batch_invariant=batch_invariant)
         ids, deltas = _local_stream(prompt, chat, params, model, dtype, options)
     first, token_ids, text, reason = None, [], "", None
     for delta_ids, delta_text, finish in deltas:
@@ -187,6 +190,9 @@ def up(
     metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="Off: faster CPU decode at 1-8 streams; a row's result then depends "
+                                              "on whether its batch has more than 8 (engine/model.py, Linear)."),
     cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
                                            "(by ranks); shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
@@ -197,7 +203,8 @@ def up(
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
-                metrics=metrics, dtype=dtype, quantization=quantization, cpus=cpus, admin_token=admin_token)
+                metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
+                admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():

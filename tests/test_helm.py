@@ -81,10 +81,11 @@ def test_default_values_give_one_gpu_pod_per_instance_redis_and_grpc_probes():
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in \
             workload["spec"]["template"]["spec"]["volumes"]
     assert gpus(containers(router)[0]) == (0, 0) and "--http-port=8001" in containers(router)[0]["args"]
-    assert all("--quantization=none" in containers(w)[0]["args"] for w in (prefill, decode))
-    int8 = render("--set", "model.quantization=int8")
-    assert all("--quantization=int8" in containers(int8["Deployment", f"mesh-{role}"])[0]["args"]
-               for role in ("prefill", "decode"))
+    assert all({"--quantization=none", "--batch-invariant=true"} <= set(containers(w)[0]["args"])
+               for w in (prefill, decode))
+    int8 = render("--set", "model.quantization=int8", "--set", "model.batchInvariant=false")
+    assert all({"--quantization=int8", "--batch-invariant=false"} <= set(
+        containers(int8["Deployment", f"mesh-{role}"])[0]["args"]) for role in ("prefill", "decode"))
     assert not [e for c in containers(decode) for e in c["env"] if e["name"] == "INFERMESH_ADMIN_TOKEN"]
     service = rendered["Service", "mesh-router"]
     assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}

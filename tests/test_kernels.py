@@ -285,6 +285,56 @@ def test_cpu_norm_and_rope_kernels_refuse_what_they_cannot_read():
         ops.rope_(torch.randn(2, 3, 8), torch.randn(3, 8), torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
+    """The few-row kernel: x [M, K] @ weight.T for M = 1..8, against float64, over whole 32-weight steps and
+    tails (K = 576, 70, 24) and a weight whose rows are strided (a column slice); each row's result bit for
+    bit the same in every batch and on one thread or two."""
+    ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+    rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    for rows, k in [(300, 576), (33, 70), (7, 24)]:
+        wide = torch.randn(rows, k + 5, generator=g).to(dtype)
+        for weight in (wide[:, :k].contiguous(), wide[:, :k]):
+            x = torch.randn(8, k, generator=g).to(dtype)
+            full = ops.linear(x, weight)  # [8, rows]
+            want = (x.double() @ weight.double().T).to(dtype)
+            torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                alone = [ops.linear(x[i:i + 1], weight) for i in range(8)]
+            finally:
+                torch.set_num_threads(threads)
+            assert all(torch.equal(alone[i][0], full[i]) for i in range(8))
+            assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, 8))
+
+
+def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
+    ops, w = cpu_ops.ops(), torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match="x must have 1 to 8 rows, got 9"):
+        ops.linear(torch.randn(9, 8), w)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 8\] in Float"):
+        ops.linear(torch.randn(2, 7), w)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 8\] in Float, got \[2, 8\] in BFloat16"):
+        ops.linear(torch.randn(2, 8).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="rows of unit stride"):
+        ops.linear(torch.randn(2, 6), w.t())
+
+
+def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows():
+    """Batch-invariant (the default): torch's GEMM, one bf16 row as `mv`. With `few_rows`: 1..8 rows
+    through the kernel, more through torch's GEMM."""
+    from engine.model import Linear
+    g = torch.Generator().manual_seed(0)
+    linear = Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    gemm = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert torch.equal(linear(x[:3]), gemm[:3]) and torch.equal(linear(x), gemm)
+    linear.few_rows = 8
+    assert torch.equal(linear(x[:3]), cpu_ops.ops().linear(x[:3], linear.weight) + linear.bias)
+    assert torch.equal(linear(x), gemm)
+
+
 def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_when_they_are_not_used(tmp_path):
     """The build as a fresh machine meets it: a lock left by a killed build does not stall it, a library cut
     short by one is built again, and without a compiler, or switched off, the engine is told why (and attends

@@ -53,6 +53,24 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(arch, tiny_c
     torch.testing.assert_close(ours, ref_logits.float(), atol=1e-4, rtol=0)
 
 
+def test_decode_through_the_few_row_kernel_matches_transformers_and_is_invariant_up_to_8_rows(tiny_checkpoint):
+    """`batch_invariant=False`: decode steps of 1 to 8 rows multiply through the C++ few-row kernel. Logits
+    still match transformers at every step, and 8 prompts decoded together get the tokens each gets alone."""
+    folder, hf = tiny_checkpoint("llama")
+    llm = LLM(str(folder), dtype="float32", batch_invariant=False)
+    assert {m.few_rows for m in llm.engine.executor.model.modules() if hasattr(m, "few_rows")} == {8}
+    captured = capture_logits(llm)
+    prompt = prompts(4)[3]
+    (out,) = llm.generate([prompt], GREEDY)
+    ref_tokens, ref_logits = hf_greedy(hf, prompt)
+    assert out.token_ids == ref_tokens
+    torch.testing.assert_close(torch.stack(captured[out.request_id]), ref_logits.float(), atol=1e-4, rtol=0)
+    batch = prompts(8, seed=1)
+    together = llm.generate(batch, GREEDY)
+    for p, t in zip(batch, together):
+        assert t.token_ids == llm.generate([p], GREEDY)[0].token_ids == hf_greedy(hf, p)[0]
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_continuous_batch_of_mixed_lengths_equals_one_at_a_time_and_transformers(arch, tiny_checkpoint):
     folder, hf = tiny_checkpoint(arch)

@@ -24,10 +24,10 @@ class ParallelExecutor:
     def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
                  block_size: int, num_blocks: int, quantization: str = "none", kv_memory=None, follower_hook=None,
                  rendezvous: Rendezvous = Rendezvous(), timeout: datetime.timedelta = datetime.timedelta(seconds=120),
-                 ) -> None:
+                 batch_invariant: bool = True) -> None:
         """`timeout`: how long a collective of the model may wait for a rank (idle waits have none)."""
         layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
-                      quantization=quantization, kv_memory=kv_memory)
+                      quantization=quantization, kv_memory=kv_memory, batch_invariant=batch_invariant)
         self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, follower_hook),
                                rendezvous=rendezvous, backend=backend_for(device), timeout=timeout)
         ctx = self.ranks.connect()

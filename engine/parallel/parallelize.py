@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.huge_pages import to_huge_pages
 from engine.kv_cache import allocate_kv_cache
-from engine.model import Transformer, build_model
+from engine.model import Linear, Transformer, build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.cp_runner import ContextParallelRunner
 from engine.parallel.ep import shard_for_ep
@@ -15,6 +16,8 @@ from engine.parallel.tp import shard_for_tp
 from engine.quantize import quantize_int8
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint, WeightsError
+
+FEW_ROWS = 8  # rows the few-row kernel takes without batch invariance: as fast as torch's GEMM up to here
 
 
 def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
@@ -29,9 +32,10 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 
 
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
-                 num_blocks: int, quantization: str = "none", kv_memory=None) -> ModelRunner:
-    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only; in `kv_memory`,
-    see `engine.kv_cache.allocate_kv_cache`)."""
+                 num_blocks: int, quantization: str = "none", kv_memory=None,
+                 batch_invariant: bool = True) -> ModelRunner:
+    """This rank's model (quantized, then sharded for `ctx`; on CPU in huge pages) and KV cache (its KV heads
+    only; in `kv_memory`, see `engine.kv_cache.allocate_kv_cache`)."""
     try:
         model = build_model(checkpoint.config, checkpoint.weights, device)
     except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
@@ -39,6 +43,11 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     if quantization == "int8":  # before sharding: every layout computes with the same int8 weights and scales
         quantize_int8(model)
     parallelize(model, ctx)
+    if torch.device(device).type == "cpu":
+        to_huge_pages(model)  # the rank's own weights, as they will be read every step
+        if not batch_invariant:
+            for linear in (m for m in model.modules() if isinstance(m, Linear)):
+                linear.few_rows = FEW_ROWS
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
                                  memory=kv_memory)

@@ -208,6 +208,7 @@ imagePullSecrets:
     {{- if ne .r.role "expert" }}
     - --device={{ .root.Values.model.device }}
     - --quantization={{ .root.Values.model.quantization }}
+    - --batch-invariant={{ .root.Values.model.batchInvariant }}
     - --kv-cache-bytes={{ int64 .v.kvCacheBytes }}
     {{- if gt (int .root.Values.expert.replicas) 0 }}
     - --experts={{ .root.Release.Name }}-expert:{{ .root.Values.ports.grpc }}
