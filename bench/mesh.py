@@ -5,6 +5,7 @@ one-token request to the router and straight to decode's Decode, alternately); a
 the main thread and on another one (the reason a service drives its engine from its main thread).
 
     python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16] [--ttft-samples 100]
+                         [--no-batch-invariant]
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def on_another_thread(fn):
     return result[0]
 
 
-def in_process(streams: list[int], tokens: int, dtype: str) -> dict[int, float]:
-    llm = LLM("smollm2-135m", dtype=dtype)
+def in_process(streams: list[int], tokens: int, dtype: str, batch_invariant: bool) -> dict[int, float]:
+    llm = LLM("smollm2-135m", dtype=dtype, batch_invariant=batch_invariant)
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
@@ -96,9 +97,10 @@ def router_ttft(address: str, samples: int) -> dict[str, list[float]]:
     return times
 
 
-def through_the_mesh(streams: list[int], tokens: int, dtype: str,
-                     ttft_samples: int) -> tuple[dict[int, float], dict[str, list[float]]]:
-    with running_mesh("--prefill", "0", "--dtype", dtype) as address:
+def through_the_mesh(streams: list[int], tokens: int, dtype: str, ttft_samples: int,
+                     batch_invariant: bool) -> tuple[dict[int, float], dict[str, list[float]]]:
+    invariance = () if batch_invariant else ("--no-batch-invariant",)
+    with running_mesh("--prefill", "0", "--dtype", dtype, *invariance) as address:
         stub = inference_pb2_grpc.InferenceStub(rpc.channel(address))
         request = inference_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(
             max_tokens=tokens, temperature=0.0, ignore_eos=True))
@@ -122,9 +124,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ttft-samples", type=int, default=100)
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="1-8 rows through the few-row kernel, in-process and in the mesh")
     args = parser.parse_args()
-    engine = in_process(args.streams, args.tokens, args.dtype)
-    mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples)
+    engine = in_process(args.streams, args.tokens, args.dtype, args.batch_invariant)
+    mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples, args.batch_invariant)
     print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process |\n|---|---|---|---|")
     for n in args.streams:
         print(f"| {n} | {engine[n]:.1f} | {mesh[n]:.1f} | {mesh[n] / engine[n]:.2f} |")

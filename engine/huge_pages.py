@@ -1,18 +1,20 @@
 """Model weights in transparent huge pages, on Linux CPUs.
 
 Decode at small batch reads every weight once a token. In 4 KiB pages SmolLM2's 212 MB of projections span
-~52,000 pages, and the page walks of that stream cost a quarter of the read: the same bytes read in 2 MiB
-pages take 8.3 ms instead of 11.3 (2 threads; bench/RESULTS.md, "huge pages"). `to_huge_pages(model)` copies
+~52,000 pages; the few-row kernel reads them in 8.3 ms from 2 MiB pages against 11.3 ms from 4 KiB ones (2
+threads; bench/RESULTS.md, "huge pages"). `to_huge_pages(model)` copies
 a model's contiguous CPU parameters into one anonymous mapping advised MADV_HUGEPAGE, so the kernel backs it
 with huge pages where transparent huge pages are enabled ("always" or "madvise"); elsewhere (another OS,
 huge pages "never") the parameters stay as they are. Parameters shared by several modules (tied embeddings)
-stay shared; views of other tensors (upcycled experts) are left in place.
+stay shared; views of other tensors (upcycled experts) are left in place. While the checkpoint is alive the
+copy holds the weights twice, so it is skipped (and logged) where free memory is short of that.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 
 import torch
 from torch import nn
@@ -32,7 +34,12 @@ def to_huge_pages(model: nn.Module) -> int:
     for key, p in params.items():
         offsets[key] = total
         total += -(-p.nbytes // ALIGN) * ALIGN
-    memory = huge_page_bytes(total) if total else None
+    if not total:
+        return 0
+    if total > _free_bytes():
+        log.warning("weights stay in small pages: %d MB to copy, less memory free", total >> 20)
+        return 0
+    memory = huge_page_bytes(total)
     if memory is None:
         return 0
     moved = {}
@@ -61,3 +68,10 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
     memory = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while a view of it lives
     start = -memory.data_ptr() % HUGE_PAGE
     return memory[start:start + nbytes]
+
+
+def _free_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this OS: do not refuse on its account
+        return 1 << 62

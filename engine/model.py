@@ -60,7 +60,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and 1 <= x.shape[0] <= self.few_rows and cpu_ops.takes(x, self.weight):
-            out = cpu_ops.ops().linear(x, self.weight)  # [N, out]
+            out = cpu_ops.ops().linear(x, self.weight)  # [rows, out]
             return out if self.bias is None else out + self.bias
         if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and self.bias is None:

@@ -62,6 +62,11 @@ def test_attention_bench_runs():
     assert "| 2 | 40 |" in proc.stdout
 
 
+def test_linear_bench_runs():
+    proc = run_quick("linear.py", "--rows", "1", "3", timeout=300)
+    assert "| 4 KiB | 3 |" in proc.stdout and "| 2 MiB | 1 |" in proc.stdout
+
+
 def test_decode_bench_runs():
     proc = run_quick("decode.py", timeout=300)
     assert "| 2 | 64 |" in proc.stdout and "| 1 | 300 |" in proc.stdout

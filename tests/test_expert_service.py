@@ -72,13 +72,17 @@ def test_eight_concurrent_requests_through_attached_experts_equal_transformers(e
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == [hf_greedy(hf, p, 6)[0] for p in prompts]
     admin = internal_pb2_grpc.AdminStub(channel(experts.address))
-    deadline = time.monotonic() + 10  # the second EP rank (a child process) publishes its counts every 0.5 s
+    # the second EP rank (a child process) publishes its counts every 0.5 s: wait until they arrived and
+    # settled (two readings 0.6 s apart agree), so the metrics below read the same final counts
+    deadline, previous = time.monotonic() + 10, None
     while True:
         status = admin.Status(internal_pb2.StatusRequest(), timeout=30)
         tokens = torch.tensor([list(layer.tokens) for layer in status.expert_load])  # [MoE layers, experts]
-        if tokens[:, 2:].sum() > 0 or time.monotonic() > deadline:
+        settled = previous is not None and torch.equal(tokens, previous)
+        if (tokens[:, 2:].sum() > 0 and settled) or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        previous = tokens
+        time.sleep(0.6)
     assert status.role == common_pb2.ROLE_EXPERT and list(status.placement) == [0, 0, 1, 1]
     assert sorted(status.attached) == sorted([prefill.id, decode.id])
     (record,) = [i for i in router.registry.instances() if i.id == experts.id]  # registered with its placement

@@ -48,3 +48,12 @@ def test_an_engine_on_cpu_reads_its_weights_from_huge_pages(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     model = LLM(str(folder), dtype="float32").engine.executor.model
     assert all(advised_for_huge_pages(p.data_ptr()) for p in model.parameters())
+
+
+def test_weights_stay_where_they_are_when_free_memory_is_short_of_a_copy(monkeypatch, caplog):
+    import engine.huge_pages as huge_pages
+    monkeypatch.setattr(huge_pages, "_free_bytes", lambda: 1000)
+    model = nn.Linear(64, 64)
+    weight = model.weight
+    assert to_huge_pages(model) == 0 and model.weight is weight
+    assert "weights stay in small pages" in caplog.text
