@@ -34,8 +34,8 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
                  num_blocks: int, quantization: str = "none", kv_memory=None,
                  batch_invariant: bool = True) -> ModelRunner:
-    """This rank's model (quantized, then sharded for `ctx`; on CPU in huge pages) and KV cache (its KV heads
-    only; in `kv_memory`, see `engine.kv_cache.allocate_kv_cache`)."""
+    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only; in `kv_memory`,
+    see `engine.kv_cache.allocate_kv_cache`)."""
     try:
         model = build_model(checkpoint.config, checkpoint.weights, device)
     except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
@@ -43,11 +43,13 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     if quantization == "int8":  # before sharding: every layout computes with the same int8 weights and scales
         quantize_int8(model)
     parallelize(model, ctx)
-    if torch.device(device).type == "cpu":
-        to_huge_pages(model)  # the rank's own weights, as they will be read every step
-        if not batch_invariant:
-            for linear in (m for m in model.modules() if isinstance(m, Linear)):
-                linear.few_rows = FEW_ROWS
+    if torch.device(device).type == "cpu" and not batch_invariant:
+        for linear in (m for m in model.modules() if isinstance(m, Linear)):
+            linear.few_rows = FEW_ROWS
+    if torch.device(device).type == "cpu" and (not batch_invariant or quantization == "int8"):
+        # the few-row kernel and torch's int8 one read faster from huge pages; torch's bf16 `mv` does not
+        # (bench/RESULTS.md, "huge pages"), and a start pays ~1 s more for them
+        to_huge_pages(model)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
                                  memory=kv_memory)
