@@ -321,9 +321,9 @@ def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
         ops.linear(torch.randn(2, 6), w.t())
 
 
-def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows():
+def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows(monkeypatch):
     """Batch-invariant (the default): torch's GEMM, one bf16 row as `mv`. With `few_rows`: 1..8 rows
-    through the kernel, more through torch's GEMM."""
+    through the kernel, more through torch's GEMM; where the kernels are not built, torch's GEMM again."""
     from engine.model import Linear
     g = torch.Generator().manual_seed(0)
     linear = Linear(64, 48, bias=True).to(torch.bfloat16)
@@ -333,6 +333,8 @@ def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows():
     linear.few_rows = 8
     assert torch.equal(linear(x[:3]), cpu_ops.ops().linear(x[:3], linear.weight) + linear.bias)
     assert torch.equal(linear(x), gemm)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    assert torch.equal(linear(x[:3]), gemm[:3])
 
 
 def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_when_they_are_not_used(tmp_path):
