@@ -40,11 +40,12 @@ inline void load_step(const c10::BFloat16* w, f32x16& a, f32x16& b) {
 // x [k] as float32 in the order load_step gives a step's weights (bf16: each 32's even, then odd positions).
 template <typename T>
 void arrange_x(const T* x, float* out, int64_t k) {
-  for (int64_t c = 0; c < k; ++c) out[c] = to_float(x[c]);
-  if (!std::is_same_v<T, c10::BFloat16>) return;
-  for (int64_t step = 0; step + 32 <= k; step += 32)
-    for (int64_t i = 0; i < 16; ++i)
-      out[step + i] = to_float(x[step + 2 * i]), out[step + 16 + i] = to_float(x[step + 2 * i + 1]);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    for (; c + 32 <= k; c += 32)
+      for (int64_t i = 0; i < 16; ++i)
+        out[c + i] = to_float(x[c + 2 * i]), out[c + 16 + i] = to_float(x[c + 2 * i + 1]);
+  for (; c < k; ++c) out[c] = to_float(x[c]);
 }
 
 // y[g * n] = <w, x[g]> for the M rows of x (arranged, row stride k): one pass over the weight row.

@@ -43,13 +43,14 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     if quantization == "int8":  # before sharding: every layout computes with the same int8 weights and scales
         quantize_int8(model)
     parallelize(model, ctx)
-    if torch.device(device).type == "cpu" and not batch_invariant:
-        for linear in (m for m in model.modules() if isinstance(m, Linear)):
-            linear.few_rows = FEW_ROWS
-    if torch.device(device).type == "cpu" and (not batch_invariant or quantization == "int8"):
-        # the few-row kernel and torch's int8 one read faster from huge pages; torch's bf16 `mv` does not
-        # (bench/RESULTS.md, "huge pages"), and a start pays ~1 s more for them
-        to_huge_pages(model)
+    if torch.device(device).type == "cpu":
+        if not batch_invariant:
+            for linear in (m for m in model.modules() if isinstance(m, Linear)):
+                linear.few_rows = FEW_ROWS
+        if not batch_invariant or quantization == "int8":
+            # the few-row kernel and torch's int8 one read faster from huge pages; torch's bf16 `mv` does not
+            # (bench/RESULTS.md, "huge pages"), and a start pays ~1 s more for them
+            to_huge_pages(model)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
                                  memory=kv_memory)
