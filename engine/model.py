@@ -49,12 +49,12 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """`nn.Linear` with two CPU paths for decode at small batch.
 
-    Batch-invariant (the default): one bf16 row is multiplied as a matrix-vector product, bit for bit what
-    the row gets inside a batched `F.linear` (torch's AMX GEMM, up to 32 rows), and torch's `mv` reads the
-    weight ~1.5x faster than its `mm` with one row. With `few_rows` set (the engine's
-    `batch_invariant=False`), 1 to `few_rows` rows go through the C++ few-row kernel
-    (engine/kernels/cpu_linear.cpp), which streams the weight faster still: rows then match each other in
-    any batch up to `few_rows`, not what larger batches get from torch's GEMM."""
+    1 to `few_rows` rows (set by engine/parallel/parallelize.py, `few_rows`) go through the C++ few-row
+    kernel (engine/kernels/cpu_linear.cpp: AMX tiles in bf16, up to 64 rows), which reads the weight near a
+    plain read's speed and sums every output in one order: a row gets the same bits in any batch it takes,
+    not what torch's GEMM gives it. Otherwise one bf16 row is multiplied as a matrix-vector product, bit for
+    bit what the row gets inside a batched `F.linear` (torch's AMX GEMM, up to 32 rows), and torch's `mv`
+    reads the weight ~1.5x faster than its `mm` with one row."""
 
     few_rows = 0
 

@@ -45,11 +45,15 @@ def test_to_huge_pages_moves_contiguous_weights_keeps_ties_and_leaves_views():
 
 
 def test_an_engine_on_cpu_reads_its_weights_from_huge_pages_where_its_kernels_gain_from_them(tiny_checkpoint):
-    """The few-row kernel (batch_invariant=False) and int8 weights read from huge pages; torch's bf16 `mv`
-    (the default) does not gain from them, and the engine does not pay for the copy there."""
+    """The few-row kernel (bf16 on AMX, or batch_invariant=False) and int8 weights read from huge pages;
+    torch's `mv` and GEMM (fp32, batch-invariant) do not gain from them, and the engine does not pay for the
+    copy there."""
+    from engine.parallel.parallelize import few_rows
     folder, _ = tiny_checkpoint("llama")
-    for options, huge in (({}, False), ({"batch_invariant": False}, True), ({"quantization": "int8"}, True)):
-        model = LLM(str(folder), dtype="float32", **options).engine.executor.model
+    bf16_kernel = few_rows(torch.bfloat16, batch_invariant=True) > 0
+    for options, huge in (({}, False), ({"batch_invariant": False}, True), ({"quantization": "int8"}, True),
+                          ({"dtype": "bfloat16"}, bf16_kernel)):
+        model = LLM(str(folder), **{"dtype": "float32", **options}).engine.executor.model
         assert all(advised_for_huge_pages(p.data_ptr()) == huge for p in model.parameters()), options
 
 

@@ -287,38 +287,56 @@ def test_cpu_norm_and_rope_kernels_refuse_what_they_cannot_read():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
-    """The few-row kernel: x [M, K] @ weight.T for M = 1..8, against float64, over whole 32-weight steps and
-    tails (K = 576, 70, 24) and a weight whose rows are strided (a column slice); each row's result bit for
-    bit the same in every batch and on one thread or two."""
+    """The few-row kernel: x [M, K] @ weight.T for every M it takes (bf16 on AMX: 64, in tiles of 16 rows;
+    else 8), against float64, over whole 32-weight steps and tails (K = 576, 70, 24; 300 and 33 weight rows:
+    AMX's 16-row blocks with a tail) and a weight whose rows are strided (a column slice); each row's result
+    bit for bit the same in every batch and on one thread or two."""
     ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+    most = ops.linear_rows(dtype)
+    assert most == (64 if dtype == torch.bfloat16 and "amx_bf16" in open("/proc/cpuinfo").read() else 8)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     for rows, k in [(300, 576), (33, 70), (7, 24)]:
         wide = torch.randn(rows, k + 5, generator=g).to(dtype)
         for weight in (wide[:, :k].contiguous(), wide[:, :k]):
-            x = torch.randn(8, k, generator=g).to(dtype)
-            full = ops.linear(x, weight)  # [8, rows]
+            x = torch.randn(most, k, generator=g).to(dtype)
+            full = ops.linear(x, weight)  # [most, rows]
             want = (x.double() @ weight.double().T).to(dtype)
             torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
             threads = torch.get_num_threads()
             try:
                 torch.set_num_threads(1)
-                alone = [ops.linear(x[i:i + 1], weight) for i in range(8)]
+                alone = [ops.linear(x[i:i + 1], weight) for i in range(most)]
             finally:
                 torch.set_num_threads(threads)
-            assert all(torch.equal(alone[i][0], full[i]) for i in range(8))
-            assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, 8))
+            assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
+            assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, most))
 
 
 def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
     ops, w = cpu_ops.ops(), torch.randn(6, 8)
-    with pytest.raises(RuntimeError, match="x must have 1 to 8 rows, got 9"):
+    with pytest.raises(RuntimeError, match="x must have 1 to 8 rows in Float, got 9"):
         ops.linear(torch.randn(9, 8), w)
+    most = ops.linear_rows(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"x must have 1 to {most} rows in BFloat16, got {most + 1}"):
+        ops.linear(torch.randn(most + 1, 8).bfloat16(), w.bfloat16())
     with pytest.raises(RuntimeError, match=r"x must be \[M, 8\] in Float"):
         ops.linear(torch.randn(2, 7), w)
     with pytest.raises(RuntimeError, match=r"x must be \[M, 8\] in Float, got \[2, 8\] in BFloat16"):
         ops.linear(torch.randn(2, 8).bfloat16(), w)
     with pytest.raises(RuntimeError, match="rows of unit stride"):
         ops.linear(torch.randn(2, 6), w.t())
+
+
+def test_the_engine_sends_rows_to_the_few_row_kernel_where_it_is_invariant_as_far_as_torch_is():
+    """Batch-invariant (the default), a layer takes the kernel only where it keeps at least the rows torch's
+    GEMM keeps invariant (32): bf16 on AMX (64 rows); without batch invariance, wherever it runs."""
+    from engine.parallel.parallelize import INVARIANT_ROWS, few_rows
+    ops = cpu_ops.ops()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        most = ops.linear_rows(dtype)
+        assert few_rows(dtype, batch_invariant=False) == most
+        assert few_rows(dtype, batch_invariant=True) == (most if most >= INVARIANT_ROWS else 0)
+    assert few_rows(torch.float32, batch_invariant=True) == 0
 
 
 def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows(monkeypatch):

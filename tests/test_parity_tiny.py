@@ -71,6 +71,28 @@ def test_decode_through_the_few_row_kernel_matches_transformers_and_is_invariant
         assert t.token_ids == llm.generate([p], GREEDY)[0].token_ids == hf_greedy(hf, p)[0]
 
 
+def test_bf16_rows_through_the_few_row_kernel_get_the_same_logits_bit_for_bit_in_any_company(tiny_checkpoint):
+    """bf16, every projection and the LM head through the few-row kernel (AMX: up to 64 rows, so 40 here, in
+    three tiles of x; 8 elsewhere): one-token prompts keep every step within the kernel's rows, and norms,
+    RoPE and paged attention are per row, so each prompt's logits at every step are bit for bit the ones it
+    gets alone."""
+    from engine.parallel.parallelize import few_rows
+    folder, _ = tiny_checkpoint("llama")
+    llm = LLM(str(folder), dtype="bfloat16", batch_invariant=False)
+    n = min(40, few_rows(torch.bfloat16, batch_invariant=False))
+    assert n >= 8
+    captured = capture_logits(llm)
+    tokens = torch.randperm(TINY_VOCAB - 3, generator=torch.Generator().manual_seed(4))[:n] + 3
+    batch = [[t] for t in tokens.tolist()]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    together = llm.generate(batch, params)
+    logits_together = [torch.stack(captured.pop(out.request_id)) for out in together]  # [16, V] each
+    for prompt, out, logits in zip(batch, together, logits_together):
+        (alone,) = llm.generate([prompt], params)
+        assert alone.token_ids == out.token_ids
+        assert torch.equal(torch.stack(captured.pop(alone.request_id)), logits)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_continuous_batch_of_mixed_lengths_equals_one_at_a_time_and_transformers(arch, tiny_checkpoint):
     folder, hf = tiny_checkpoint(arch)

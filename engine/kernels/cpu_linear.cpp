@@ -1,14 +1,17 @@
-// A linear layer for a few rows of activations on CPU (decode at small batch), bound by reading the weight.
+// A linear layer for a few rows of activations on CPU (decode), bound by reading the weight.
 //
-// infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, 1 <= M <= MAX_ROWS, in x's dtype
+// infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, in x's dtype, for
+// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX, 8 otherwise.
 //
-// Each intra-op thread of the caller streams a contiguous range of weight rows once for all M rows of x,
-// prefetching 2 KiB ahead: the hardware prefetcher alone kept torch's `mv` and `mm` at ~60 % of a plain
-// read of the same bytes (bench/RESULTS.md, "few-row linear"). Every output is summed in one order (two
-// float32 vector accumulators over 32-weight steps, then halved; the last k % 32 one by one), whatever M
-// and the thread count: a row of x gets the same result bit for bit in any batch of up to MAX_ROWS rows.
-// (Not the same as torch's GEMM, whose order is its own: engine/model.py uses this kernel only where the
-// engine is not asked to be batch-invariant with every batch size.)
+// Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
+// bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own.)
+//
+// bf16 with AMX (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight)
+// times 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles
+// over ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
+// "AMX linear"). Elsewhere each intra-op thread streams a contiguous range of weight rows once for all M
+// rows with vector FMAs, prefetching 2 KiB ahead (two float32 accumulators over 32-weight steps, then
+// halved; the last k % 32 one by one): torch's `mv` and `mm` read at ~60 % of a plain read.
 
 #include <torch/library.h>
 
@@ -16,6 +19,13 @@
 
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFERMESH_AMX 1
+#endif
 
 namespace {
 
@@ -77,12 +87,138 @@ void run(const T* w, int64_t stride, const float* x, int64_t k, T* y, int64_t n)
   });
 }
 
+// ---- bf16 on AMX tiles ----
+
+constexpr int64_t AMX_ROWS = 64;  // every decode step of the engine's default max_num_seqs
+
+#ifdef INFERMESH_AMX
+using bf16 = c10::BFloat16;
+
+bool amx_usable() {  // Linux gives a process the tile registers' 8 KiB of state only when it asks
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {  // palette 1: each tile's rows and bytes per row, loaded per thread
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t row_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Where an A tile (16 weight rows x 32 k from k0) loads from, and its row stride in bytes: the weight itself,
+// or a zero-padded copy in `pad` where the weight ends (fewer than 16 rows, or fewer than 32 k).
+inline const bf16* weight_tile(const bf16* w, int64_t stride, int64_t rows, int64_t k0, int64_t k, bf16* pad,
+                               int64_t& row_bytes) {
+  if (rows == 16 && k0 + 32 <= k) return row_bytes = stride * 2, w + k0;
+  std::memset(pad, 0, 16 * 32 * sizeof(bf16));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(pad + r * 32, w + r * stride + k0, std::min<int64_t>(32, k - k0) * sizeof(bf16));
+  return row_bytes = 64, pad;
+}
+
+// Sums for WB blocks of 16 weight rows times XB tiles of x, over all k in 32-k steps, into `sums`
+// ([WB * 2 + XB][16 weight rows][16 floats]). Tiles: C 0-3 ([weight block][x tile]), A 4-5, B 6-7.
+template <int WB, int XB>
+void tile_sums(const bf16* w, int64_t stride, const int64_t* rows, int64_t k, const bf16* xs, int64_t x_row_bytes,
+               int64_t x_tile, float* sums, bf16* pad) {
+  _tile_zero(0);
+  if (XB == 2) _tile_zero(1);
+  if (WB == 2) _tile_zero(2);
+  if (WB == 2 && XB == 2) _tile_zero(3);
+  int64_t row_bytes;
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    const bf16* x_step = xs + k0 / 2 * (x_row_bytes / sizeof(bf16));  // 16 k pairs of this step
+    _tile_loadd(6, x_step, x_row_bytes);
+    if (XB == 2) _tile_loadd(7, x_step + x_tile, x_row_bytes);
+    _tile_loadd(4, weight_tile(w, stride, rows[0], k0, k, pad, row_bytes), row_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if (XB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (WB == 2) {
+      _tile_loadd(5, weight_tile(w + 16 * stride, stride, rows[1], k0, k, pad + 512, row_bytes), row_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if (XB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if (XB == 2) _tile_stored(1, sums + 256, 64);
+  if (WB == 2) _tile_stored(2, sums + 512, 64);
+  if (WB == 2 && XB == 2) _tile_stored(3, sums + 768, 64);
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const int64_t padded_k = (k + 31) / 32 * 32;
+  const int64_t width = std::min<int64_t>(m, 16), x_tiles = (m + width - 1) / width;  // x rows per tile, tiles
+  const int64_t x_tile = padded_k * width;                                             // bf16 per x tile
+  // x as TDPBF16PS takes it: [x tile][k pair][row in tile][2], zeros past k and past the last row
+  at::Tensor xs_t = m % width || k % 32 ? at::zeros({x_tiles * x_tile}, x.options())
+                                        : at::empty({x_tiles * x_tile}, x.options());
+  bf16* xs = xs_t.data_ptr<bf16>();
+  const at::Tensor xc = x.contiguous();
+  for (int64_t r = 0; r < m; ++r) {
+    const bf16* src = xc.data_ptr<bf16>() + r * k;
+    bf16* dst = xs + r / width * x_tile + r % width * 2;
+    for (int64_t c = 0; c + 1 < k; c += 2) std::memcpy(dst + c * width, src + c, 2 * sizeof(bf16));
+    if (k % 2) dst[(k - 1) * width] = src[k - 1];
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  const bf16* w = weight.data_ptr<bf16>();
+  bf16* y = out.data_ptr<bf16>();
+  const int64_t blocks = (n + 15) / 16;
+  parallel_for((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.row_bytes[t] = t == 4 || t == 5 ? 64 : width * 4;
+    _tile_loadconfig(&config);
+    alignas(64) float sums[1024];
+    alignas(64) bf16 pad[1024];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = 2 * pair, wb = b + 1 < blocks ? 2 : 1;
+      const int64_t rows[2] = {std::min<int64_t>(16, n - 16 * b), std::min<int64_t>(16, n - 16 * b - 16)};
+      const bf16* wp = w + 16 * b * stride;
+      for (int64_t t = 0; t < x_tiles; t += 2) {
+        const int64_t xb = t + 1 < x_tiles ? 2 : 1;
+        const bf16* xt = xs + t * x_tile;
+        if (wb == 2 && xb == 2) tile_sums<2, 2>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
+        else if (wb == 2) tile_sums<2, 1>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
+        else if (xb == 2) tile_sums<1, 2>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
+        else tile_sums<1, 1>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
+        for (int64_t i = 0; i < wb; ++i)
+          for (int64_t j = 0; j < xb; ++j) {
+            const float* s = sums + (2 * i + j) * 256;  // [weight row][x row], rows 64 bytes apart
+            const int64_t first = (t + j) * width;
+            for (int64_t r = first; r < std::min(m, first + width); ++r) {
+              bf16* y_row = y + r * n + 16 * (b + i);
+              f32x16 v;
+              for (int l = 0; l < 16; ++l) v[l] = s[l * 16 + r - first];
+              if (rows[i] == 16) store16(y_row, v);
+              else for (int64_t l = 0; l < rows[i]; ++l) y_row[l] = static_cast<bf16>(v[l]);
+            }
+          }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+#else
+bool amx_usable() { return false; }
+#endif
+
+// How many rows `linear` takes in this dtype.
+int64_t linear_rows(c10::ScalarType dtype) { return dtype == at::kBFloat16 && amx_usable() ? AMX_ROWS : MAX_ROWS; }
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
               "weight must be [N, K] with rows of unit stride, got ", weight.sizes(), " strides ", weight.strides());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) && x.scalar_type() == weight.scalar_type(), "x must be [M, ",
               weight.size(1), "] in ", weight.scalar_type(), ", got ", x.sizes(), " in ", x.scalar_type());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "x must have 1 to ", MAX_ROWS, " rows, got ", x.size(0));
+  const int64_t rows = linear_rows(x.scalar_type());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
+              x.size(0));
+#ifdef INFERMESH_AMX
+  if (x.scalar_type() == at::kBFloat16 && amx_usable()) return linear_amx(x, weight);
+#endif
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
   at::Tensor out = at::empty({m, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {
@@ -109,4 +245,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);
+  m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);
 }

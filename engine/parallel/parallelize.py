@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.huge_pages import to_huge_pages
+from engine.kernels import cpu_ops
 from engine.kv_cache import allocate_kv_cache
 from engine.model import Linear, Transformer, build_model
 from engine.parallel.context import ParallelContext
@@ -17,7 +18,19 @@ from engine.quantize import quantize_int8
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint, WeightsError
 
-FEW_ROWS = 8  # rows the few-row kernel takes without batch invariance: as fast as torch's GEMM up to here
+# torch's GEMM gives a bf16 row the bits `mv` gives it in batches of up to this many rows (engine/model.py,
+# Linear): batch-invariant, the engine hands rows to the few-row kernel only where it takes as many or more
+INVARIANT_ROWS = 32
+
+
+def few_rows(dtype: torch.dtype, batch_invariant: bool) -> int:
+    """How many rows each Linear multiplies through the few-row CPU kernel (0: none, torch's way): all it
+    takes (bf16 with AMX: 64, covering every decode step of the default max_num_seqs; 8 elsewhere) unless
+    the engine is batch-invariant and that is fewer than torch's GEMM keeps invariant."""
+    if not cpu_ops.available():
+        return 0
+    rows = cpu_ops.ops().linear_rows(dtype)
+    return rows if rows >= INVARIANT_ROWS or not batch_invariant else 0
 
 
 def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
@@ -44,10 +57,10 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
         quantize_int8(model)
     parallelize(model, ctx)
     if torch.device(device).type == "cpu":
-        if not batch_invariant:
-            for linear in (m for m in model.modules() if isinstance(m, Linear)):
-                linear.few_rows = FEW_ROWS
-        if not batch_invariant or quantization == "int8":
+        rows = few_rows(dtype, batch_invariant)
+        for linear in (m for m in model.modules() if isinstance(m, Linear)):
+            linear.few_rows = rows
+        if rows or quantization == "int8":
             # the few-row kernel and torch's int8 one read faster from huge pages; torch's bf16 `mv` does not
             # (bench/RESULTS.md, "huge pages"), and a start pays ~1 s more for them
             to_huge_pages(model)
