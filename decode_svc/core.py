@@ -3,8 +3,10 @@
 One thread owns the `EngineCore` and loops: run the commands other threads
 queued, then one engine step, then hand each request's output to its stream.
 gRPC handlers call `reserve`, `generate`, `join` and `cancel` from their own
-threads; each runs as a command on the engine thread (between steps) and
-`generate`/`join` return the request's queue of `TokenEvent`s: tokens, then a final one.
+threads; each runs as a command on the engine thread (between steps). `generate`
+and `join` return at once, a future of the queue the request's `TokenEvent`s go
+to (tokens, then a final one): a queue of its own, or one shared by the requests
+of a stream (`into`), where each event comes as (request_id, event).
 
 KV arriving for reserved requests is written by this core's `receiver` from
 transport threads under `kv_lock`; the engine thread takes the same lock to drop
@@ -26,6 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +49,17 @@ class TokenEvent:
     finish_reason: str | None = None  # the last event of a request has one
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_prompt_tokens (last event)
     error: ServingError | None = None  # the engine failed: the request cannot go on here
+
+
+@dataclass(frozen=True, slots=True)
+class _Tagged:
+    """A request's events into a queue shared with others, as (request_id, event)."""
+
+    shared: queue.Queue
+    request_id: str
+
+    def put(self, event: TokenEvent) -> None:
+        self.shared.put((self.request_id, event))
 
 
 class DecodeCore:
@@ -133,19 +147,19 @@ class DecodeCore:
 
         return self._call(run)
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 resume: tuple[int, ...] = ()) -> queue.Queue:
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, resume: tuple[int, ...] = (),
+                 into: queue.Queue | None = None) -> Future:
         """Prefill here and decode: the whole request on this instance (after `resume`, the tokens it already
         generated elsewhere)."""
         def run():
             seq = self.engine.add_request(request_id, prompt, params, resume_token_ids=resume)
             self._requests[request_id] = seq
-            self._track(seq.request_id)
-            return self._streams[request_id]
+            return self._track(seq.request_id, into)
 
-        return self._call(run)
+        return self._loop.submit(run)
 
-    def join(self, request_id: str, first_token: int | None, logprobs: TokenLogprobs | None = None) -> queue.Queue:
+    def join(self, request_id: str, first_token: int | None, logprobs: TokenLogprobs | None = None,
+             into: queue.Queue | None = None) -> Future:
         """The reserved request's KV arrived (`first_token` and its `logprobs` from prefill), or not (None:
         recompute here)."""
         def run():
@@ -155,14 +169,14 @@ class DecodeCore:
                     raise NoReservation(f"request_id {request_id!r} has no reservation")
                 landing = self._hold_if_landing(request_id)
             self._unpublish(request_id)
-            stream = self._track(request_id)
+            stream = self._track(request_id, into)
             if first_token is None or landing:  # KV still arriving at the join is not trusted: recompute
                 self.engine.recompute(request_id)
             else:
                 self._deliver(self.engine.join(request_id, first_token, logprobs))
             return stream
 
-        return self._call(run)
+        return self._loop.submit(run)
 
     def reserved(self, request_id: str) -> tuple[int, ...] | None:
         """The reservation's block table (None: none), for the KV receiver: each piece that arrives renews
@@ -236,9 +250,10 @@ class DecodeCore:
 
     # ---- on the engine thread -------------------------------------------------------------
 
-    def _track(self, request_id: str) -> queue.Queue:
+    def _track(self, request_id: str, into: queue.Queue | None) -> queue.Queue:
         self.total_requests += 1
-        return self._streams.setdefault(request_id, queue.Queue())
+        self._streams[request_id] = _Tagged(into, request_id) if into is not None else queue.Queue()
+        return into if into is not None else self._streams[request_id]
 
     def _deliver(self, out: StepOutput) -> None:
         seq = self._requests.get(out.request_id)

@@ -16,11 +16,15 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+from concurrent.futures import Future
 
-from decode_svc.core import DecodeCore
+import grpc
+from opentelemetry import propagate, trace
+
+from decode_svc.core import DecodeCore, TokenEvent
 from decode_svc.follower import accept_kv, endpoint_key, open_endpoints
 from engine.core import EngineConfig, EngineCore
-from engine.errors import DeadlineExceeded, Unsupported
+from engine.errors import DeadlineExceeded, ServingError, Unsupported
 from engine.parallel.context import ExpertAttachment, ParallelConfig
 from engine.parallel.launcher import Rendezvous
 from engine.parallel.tp import head_shard
@@ -30,12 +34,13 @@ from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.grpc_stream import WIRE_DTYPES
 from mesh import rpc
+from mesh.errors import status_code
 from mesh.instance import Instance
 from mesh.metrics import ENGINE_LOAD
 from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import DecodeSettings
-from mesh.telemetry import server_span
+from mesh.telemetry import server_span, tracer
 from protos.convert import FINISH_REASONS, logprobs_fields, logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 
@@ -66,20 +71,36 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 head_ranges=[internal_pb2.HeadRange(start=a, end=b) for a, b in self.head_ranges],
                 block_size=self.block_size, block_table=list(table), first_token=cached, dtype=WIRE_DTYPES[self.dtype]))
 
+    def _open(self, request, into: queue.Queue | None = None) -> Future:
+        """Start a DecodeRequest here: a new request (admitted unless draining) or the join of a reservation
+        (in-flight work, admitted even while draining); the future of its events' queue (see DecodeCore)."""
+        if request.prefill_locally:
+            self.instance.admit()
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            return self.core.generate(request.request_id, list(request.prompt_token_ids), params,
+                                      tuple(request.resume_token_ids), into=into)
+        ready = request.kv_status == internal_pb2.KV_STATUS_READY
+        logprobs = TokenLogprobs(*logprobs_fields(request.first_logprobs)) if request.HasField("first_logprobs") \
+            else None
+        return self.core.join(request.request_id, request.first_token_id if ready else None, logprobs, into=into)
+
+    def _responses(self, rid: str, event: TokenEvent) -> list[inference_pb2.GenerateResponse]:
+        """A request's event as it goes out: its delta, then its final response if it is the last."""
+        out = []
+        if event.token_ids or event.text:
+            out.append(inference_pb2.GenerateResponse(delta=inference_pb2.Delta(
+                token_ids=event.token_ids, text=event.text, logprobs=[logprobs_message(lp) for lp in event.logprobs])))
+        if event.finish_reason:
+            self.instance.prefix_cache_hits.add(event.usage["cached_prompt_tokens"])
+            out.append(inference_pb2.GenerateResponse(final=inference_pb2.Final(
+                request_id=rid, finish_reason=FINISH_REASONS[event.finish_reason],
+                usage=common_pb2.Usage(**event.usage))))
+        return out
+
     def Decode(self, request, context):
         rid = request.request_id
         with server_span(context, "decode.request", request_id=rid, prefill_locally=request.prefill_locally) as span:
-            if request.prefill_locally:
-                self.instance.admit()
-                params = SamplingParams(**sampling_kwargs(request.sampling))
-                stream = self.core.generate(rid, list(request.prompt_token_ids), params,
-                                            tuple(request.resume_token_ids))
-            else:  # a reservation made before: in-flight work, admitted even while draining
-                ready = request.kv_status == internal_pb2.KV_STATUS_READY
-                logprobs = None
-                if request.HasField("first_logprobs"):
-                    logprobs = TokenLogprobs(*logprobs_fields(request.first_logprobs))
-                stream = self.core.join(rid, request.first_token_id if ready else None, logprobs)
+            stream = self._open(request).result()
             finished = threading.Event()
             context.add_callback(lambda: finished.is_set() or self.core.cancel(rid))  # client gone: free its blocks
             tokens = 0
@@ -92,18 +113,75 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 if event.error:  # the instance failed, not the request: another instance may serve it
                     raise event.error
                 tokens += len(event.token_ids)
-                if event.token_ids or event.text:
-                    yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(
-                        token_ids=event.token_ids, text=event.text,
-                        logprobs=[logprobs_message(lp) for lp in event.logprobs]))
                 if event.finish_reason:
                     finished.set()
                     span.set_attribute("completion_tokens", tokens)
-                    self.instance.prefix_cache_hits.add(event.usage["cached_prompt_tokens"])
-                    yield inference_pb2.GenerateResponse(final=inference_pb2.Final(
-                        request_id=rid, finish_reason=FINISH_REASONS[event.finish_reason],
-                        usage=common_pb2.Usage(**event.usage)))
+                yield from self._responses(rid, event)
+                if event.finish_reason:
                     return
+
+    def Stream(self, requests, context):
+        """Requests multiplexed on one stream: a reader thread starts and cancels them as they come; here,
+        whatever events are queued when this thread wakes (every request's tokens of a step, usually) go
+        out in one message. Each request's span runs from its start to its last event."""
+        events: queue.Queue = queue.Queue()  # (request_id, TokenEvent | the error it failed with); None: the end
+        spans: dict[str, trace.Span] = {}  # the requests started here and not finished
+
+        def start(item) -> None:
+            request = item.decode
+            rid = request.request_id
+            spans[rid] = tracer().start_span("decode.request", propagate.extract(dict(item.trace_context)),
+                                             kind=trace.SpanKind.SERVER, attributes={
+                                                 "request_id": rid, "prefill_locally": request.prefill_locally})
+            try:
+                self._open(request, into=events).add_done_callback(
+                    lambda done: done.exception() and events.put((rid, done.exception())))
+            except ServingError as e:  # not admitted, or bad sampling parameters
+                events.put((rid, e))
+
+        def read() -> None:
+            try:
+                for item in requests:
+                    if item.HasField("decode"):
+                        start(item)
+                    elif item.HasField("cancel"):
+                        self.core.cancel(item.cancel.request_id)
+            except grpc.RpcError:  # the router went away
+                pass
+            finally:
+                events.put(None)
+
+        threading.Thread(target=read, name="decode-stream-reader", daemon=True).start()
+        try:
+            while True:
+                batch = [events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                out = [self._stream_event(rid, event, spans) for rid, event in filter(None, batch)]
+                if out:
+                    yield internal_pb2.StreamResponse(events=[e for each in out for e in each])
+                if None in batch:
+                    return
+        finally:  # the stream closed: what it started and did not finish is cancelled, its blocks freed
+            for rid, span in list(spans.items()):
+                self.core.cancel(rid)
+                span.end()
+
+    def _stream_event(self, rid: str, event, spans: dict) -> list[internal_pb2.StreamEvent]:
+        span = spans.get(rid)
+        error = event if isinstance(event, Exception) else event.error
+        if error is not None or event.finish_reason:
+            spans.pop(rid, None)
+        if error is not None:
+            if span is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+                span.end()
+            code = status_code(error) if isinstance(error, ServingError) else grpc.StatusCode.INTERNAL
+            return [internal_pb2.StreamEvent(request_id=rid, status_code=code.value[0], status_message=str(error))]
+        if event.finish_reason and span is not None:
+            span.set_attribute("completion_tokens", event.usage["completion_tokens"])
+            span.end()
+        return [internal_pb2.StreamEvent(request_id=rid, response=r) for r in self._responses(rid, event)]
 
     def Cancel(self, request, context):
         return internal_pb2.CancelResponse(found=self.core.cancel(request.request_id))

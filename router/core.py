@@ -3,7 +3,9 @@ HTTP front): checks, prompts, routing, and the stream of `GenerateResponse`s wit
 
 For each request: pick a decode instance and decide where to prefill (router.policy);
 disaggregated, it calls Reserve on decode, Prefill on the prefill instance (which
-pushes the KV to decode), then Decode; otherwise Decode with prefill_locally.
+pushes the KV to decode), then joins the request on decode; otherwise it sends the
+request with prefill_locally. Requests reach a decode instance on one stream shared
+by all of them (router.decode_streams).
 Every hop gets the caller's deadline and the W3C trace context; when the client
 leaves or its deadline passes, the downstream stream is cancelled and the decode
 instance frees the request's blocks. Prompts are hashed for prefix hits in the KV
@@ -43,6 +45,7 @@ from mesh.settings import RouterSettings
 from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
+from router.decode_streams import DecodeStreams
 from router.limits import fit
 from router.policy import Decision, NoInstance, route
 
@@ -72,6 +75,7 @@ class RouterCore:
         self.config, self.tokenizer = load_model_info(settings.model)
         self.kv_transport = transports.by_name(settings.kv_transport).wire
         self.channels = rpc.ChannelPool()
+        self.decode_streams = DecodeStreams(self.channels)  # every request to a decode instance goes on its stream
         self._turns = itertools.count()
         self._lock = threading.Lock()
         self.active = 0  # streams being served
@@ -253,7 +257,7 @@ class RouterCore:
                                            sampling=sampling, resume_token_ids=resume)
 
         def stream(request: internal_pb2.DecodeRequest):
-            responses = decode.Decode(request, timeout=self._remaining(call), metadata=metadata)
+            responses = self.decode_streams.decode(chosen.decode.address, request, timeout=self._remaining(call))
             call.add_callback(responses.cancel)  # the client left: stop the work downstream
             return responses
 
@@ -308,4 +312,5 @@ class RouterCore:
         return min(remaining, limit) if remaining is not None else limit
 
     def close(self) -> None:
+        self.decode_streams.close()
         self.channels.close()

@@ -150,7 +150,7 @@ def test_blocks_a_cancel_frees_while_kv_lands_in_them_are_held_until_the_landing
 
         core.reserve("joined", prompt, LONG)  # KV still landing when the router joins: recomputed, not trusted
         with landing(core, "joined") as views:
-            stream = core.join("joined", first_token=7)
+            stream = core.join("joined", first_token=7).result()
             views[0].fill_(torch.nan)  # a late write cannot reach the recomputed request's blocks
         tokens, event = [], None
         while event is None or not event.finish_reason:

@@ -121,6 +121,41 @@ class CancelRequest(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("decode", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    cancel: CancelRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("request_id", "response", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: _inference_pb2.GenerateResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+
 class CancelResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]

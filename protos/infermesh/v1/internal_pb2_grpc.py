@@ -50,6 +50,11 @@ class DecodeStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/infermesh.v1.Decode/Stream',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -75,6 +80,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Many requests on one long-lived stream (a router's to this instance): starts and cancels go in, and the
+        tokens every request got in one engine step come out in one message. Closing the stream cancels what
+        it started and has not finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class Decode:
             '/infermesh.v1.Decode/Cancel',
             protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelRequest.SerializeToString,
             protos_dot_infermesh_dot_v1_dot_internal__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/infermesh.v1.Decode/Stream',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
