@@ -1,7 +1,8 @@
 """The projections of one SmolLM2 decode step (30 layers of qkv, o, gate_up, down, and the LM head; every
-weight a distinct tensor, so each is read from memory as in the model) by rows in the batch: bf16 weights,
-int8 weights through torch's int8 kernel, and int8 weights converted to bf16 per call. Where
-`engine/quantize.py` switches between the last two (PACKED_MAX_ROWS) comes from here.
+weight a distinct tensor, so each is read from memory as in the model) by rows in the batch: bf16 weights
+(torch's `F.linear`), int8 weights through infermesh's int8 kernel (`linear_int8`, up to 16 rows; what the
+engine runs), through torch's int8 kernel, and converted to bf16 per call. Where `engine/quantize.py`
+switches from the kernel to the conversion (PACKED_MAX_ROWS) comes from here.
 
     python bench/int8_matmul.py [--quick] [--rows 1 4 8 16 32]
 """
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
-from engine.quantize import quantize_rows  # noqa: E402
+from engine.kernels.cpu_ops import ops  # noqa: E402
+from engine.quantize import PACKED_MAX_ROWS, quantize_rows  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in]
 
@@ -31,7 +33,9 @@ def step_ms(rows: int, kind: str, weights: list, runs: int = 6) -> float:
             x = inputs[d]
             if kind == "bf16":
                 F.linear(x, w16)
-            elif kind == "int8 kernel":
+            elif kind == "int8, infermesh kernel":
+                ops().linear_int8(x, w8, scale)
+            elif kind == "int8, torch kernel":
                 torch.ops.aten._weight_int8pack_mm(x, w8, scale)
             else:
                 F.linear(x, w8.to(torch.bfloat16)) * scale
@@ -54,11 +58,13 @@ def main() -> None:
         w = torch.randn(out, d)
         w8, scale = quantize_rows(w)
         weights.append((w.bfloat16(), w8, scale.bfloat16()))
-    kinds = ("bf16", "int8 kernel", "int8 converted")
+    kinds = ("bf16", "int8, infermesh kernel", "int8, torch kernel", "int8 converted")
     print(f"\n{torch.get_num_threads()} threads, ms per step of {len(SHAPES)} projections\n")
-    print("| rows | " + " | ".join(kinds) + " |\n|---|---|---|---|")
+    print("| rows | " + " | ".join(kinds) + " |\n" + "|---" * (len(kinds) + 1) + "|")
     for rows in rows_list:
-        print(f"| {rows} | " + " | ".join(f"{step_ms(rows, k, weights):.1f}" for k in kinds) + " |", flush=True)
+        times = [f"{step_ms(rows, k, weights):.1f}" if rows <= PACKED_MAX_ROWS or "infermesh" not in k else "-"
+                 for k in kinds]
+        print(f"| {rows} | " + " | ".join(times) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ weights, and it is the same on every parallel layout (quantize first, then shard
 keeps its rows' scales, a column-parallel shard takes its rows' scales along).
 
 Why: decode at small batch reads every weight once per token, so it is bound by memory bandwidth; int8
-halves the bytes of bf16. On CPU, up to `PACKED_MAX_ROWS` rows take torch's int8 matrix-vector kernel;
-larger batches (and other devices) convert the weight to the activations' dtype each call, which costs
-more than bf16 weights would: int8 is the latency option for few streams, not the throughput one.
+halves the bytes of bf16. On CPU, up to `PACKED_MAX_ROWS` rows take the int8 few-row kernel
+(engine/kernels/cpu_linear.cpp, `linear_int8`: one summation order for any batch up to 16; torch's
+`_weight_int8pack_mm` where the kernels are not built); larger batches (and other devices) convert the
+weight to the activations' dtype each call, which costs more than bf16 weights would: int8 is the latency
+option for few streams, not the throughput one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_ops
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PACKED_MAX_ROWS = 16  # the int8 kernel beats converting the weight up to here (bench/RESULTS.md, "int8")
@@ -52,7 +56,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
         if x.device.type == "cpu" and x.shape[0] <= PACKED_MAX_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale.to(x.dtype))
+            if x.shape[0] and cpu_ops.takes(x, self.scale):  # (a step may sample no rows: [0, in])
+                out = cpu_ops.ops().linear_int8(x, self.weight, self.scale)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale.to(x.dtype))
         else:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return out if self.bias is None else out + self.bias

@@ -47,45 +47,56 @@ class StreamError(grpc.RpcError):
 
 
 class DecodeCall:
-    """One request's responses on a shared stream."""
+    """One request's responses on a shared stream (an iterator; no generator, so that a call dropped unread
+    is released, and cancelled, as soon as nothing refers to it)."""
 
     def __init__(self, stream: "_Stream", request_id: str, events: queue.Queue, timeout: float) -> None:
         self._stream, self._request_id, self._events = stream, request_id, events
         self._deadline = time.monotonic() + timeout
-        self._done = False
-        self._responses = self._read()
+        self._ended = False  # decode ended the request (its final response, or a failure) or the stream broke
 
     def __iter__(self) -> Iterator[inference_pb2.GenerateResponse]:
         return self
 
     def __next__(self) -> inference_pb2.GenerateResponse:
-        return next(self._responses)
+        if self._ended:
+            raise StopIteration
+        try:
+            event = self._next_event()
+        except grpc.RpcError:
+            self._release()
+            raise
+        self._ended = event.response.HasField("final")
+        if self._ended:
+            self._release()
+        return event.response
 
     def cancel(self) -> None:
         self._events.put(_CANCELLED)
 
-    def _read(self) -> Iterator[inference_pb2.GenerateResponse]:
+    def __del__(self) -> None:
+        self._release()
+
+    def _release(self) -> None:  # the call is done with: cancelled on decode unless decode ended it
+        self._stream.release(self._request_id, cancel=not self._ended)
+
+    def _next_event(self) -> internal_pb2.StreamEvent:
+        remaining = self._deadline - time.monotonic()
         try:
-            while not self._done:
-                try:
-                    remaining = self._deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise queue.Empty
-                    event = self._events.get(timeout=remaining)
-                except queue.Empty:
-                    raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-                if event is _CANCELLED:
-                    raise StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
-                if isinstance(event, grpc.RpcError):  # the stream broke: the request ended with it
-                    self._done = True
-                    raise event
-                if event.status_code:
-                    self._done = True
-                    raise StreamError(_CODES.get(event.status_code, grpc.StatusCode.UNKNOWN), event.status_message)
-                self._done = event.response.HasField("final")
-                yield event.response
-        finally:
-            self._stream.release(self._request_id, cancel=not self._done)
+            if remaining <= 0:
+                raise queue.Empty
+            event = self._events.get(timeout=remaining)
+        except queue.Empty:
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if event is _CANCELLED:
+            raise StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
+        if isinstance(event, grpc.RpcError):  # the stream broke: the request ended with it
+            self._ended = True
+            raise event
+        if event.status_code:
+            self._ended = True
+            raise StreamError(_CODES.get(event.status_code, grpc.StatusCode.UNKNOWN), event.status_message)
+        return event
 
 
 class _Stream:
@@ -112,6 +123,7 @@ class _Stream:
         return DecodeCall(self, request.request_id, events, timeout)
 
     def release(self, request_id: str, cancel: bool) -> None:
+        """The request's call is done with (again: nothing); `cancel`: it did not finish, cancel it on decode."""
         with self._lock:
             ours = self._calls.pop(request_id, None) is not None
         if ours and cancel and self.broken is None:

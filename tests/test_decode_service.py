@@ -211,9 +211,9 @@ def test_a_request_that_fails_on_a_stream_fails_alone_with_its_status_code(decod
 
 
 def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and_frees_its_blocks(decode, monkeypatch):
-    """Cancelled by the router (its client left), past its deadline, or open when the router closes the
-    stream: decode aborts the request (it does not run on to its end) and frees its blocks each time; the
-    first two leave the stream serving."""
+    """Cancelled by the router (its client left), past its deadline, dropped unread, or open when the router
+    closes the stream: decode aborts the request (it does not run on to its end) and frees its blocks each
+    time; the stream serves on but for the last."""
     instance, _, admin, _ = decode
     engine, aborted = instance.core.engine, []
     abort = engine.abort
@@ -236,6 +236,10 @@ def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and
 
     tokens, _ = collect(streams.decode(instance.address, local("c3", [5, 6]), timeout=60))
     assert len(tokens) == 8  # the same stream serves on
+    dropped = streams.decode(instance.address, local("c5", prompt(40, seed=7), long), timeout=60)
+    wait_until(lambda: blocks_used(admin) > 0)
+    del dropped  # never read: cancelled as well
+    wait_until(lambda: blocks_used(admin) == 0)
     left = streams.decode(instance.address, local("c4", prompt(40, seed=6), long), timeout=60)
     assert next(left).delta.token_ids and blocks_used(admin) > 0
     streams.close()
@@ -243,4 +247,4 @@ def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and
         list(left)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
     wait_until(lambda: blocks_used(admin) == 0 and not stream_threads())
-    assert {"c1", "c2", "c4"} <= set(aborted) and "c3" not in aborted
+    assert {"c1", "c2", "c4", "c5"} <= set(aborted) and "c3" not in aborted

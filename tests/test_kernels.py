@@ -327,6 +327,50 @@ def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
         ops.linear(torch.randn(2, 6), w.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
+    """int8 weights with one scale per row (engine/quantize.py): x [M, K] @ (w_int8 * scale).T for every M
+    from 1 to 16 (two passes of 8 over each weight row), against float64 over whole steps and tails, each
+    row's result bit for bit the same in every batch and on one thread or two; refusals name the limit."""
+    from engine.quantize import quantize_rows
+    ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+    rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    for rows, k in [(300, 576), (33, 70), (7, 24)]:
+        weight, scale = quantize_rows(torch.randn(rows, k, generator=g))
+        scale = scale.to(dtype)
+        x = torch.randn(16, k, generator=g).to(dtype)
+        full = ops.linear_int8(x, weight, scale)  # [16, rows]
+        want = (x.double() @ (weight.double() * scale.double()[:, None]).T).to(dtype)
+        torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = [ops.linear_int8(x[i:i + 1], weight, scale) for i in range(16)]
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(alone[i][0], full[i]) for i in range(16))
+        assert all(torch.equal(ops.linear_int8(x[:m], weight, scale), full[:m]) for m in range(1, 16))
+    w, s = quantize_rows(torch.randn(6, 8))
+    with pytest.raises(RuntimeError, match="x must have 1 to 16 rows, got 17"):
+        ops.linear_int8(torch.randn(17, 8), w, s)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        ops.linear_int8(torch.randn(2, 8), w.float(), s)
+    with pytest.raises(RuntimeError, match=r"scale must be \[6\], got \[5\]"):
+        ops.linear_int8(torch.randn(2, 8), w, s[:5])
+
+
+def test_an_int8_layer_takes_the_int8_kernel_up_to_16_rows_and_torchs_where_the_kernels_are_not_built(
+        monkeypatch):
+    from engine.quantize import Int8Linear
+    layer = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16))
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(layer(x), cpu_ops.ops().linear_int8(x, layer.weight, layer.scale) + layer.bias)
+    assert layer(x[:0]).shape == (0, 48)  # a step that samples no row (a prefill chunk mid-prompt)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, layer.weight, layer.scale) + layer.bias
+    assert torch.equal(layer(x), torch_kernel)
+
+
 def test_the_engine_sends_rows_to_the_few_row_kernel_where_it_is_invariant_as_far_as_torch_is():
     """Batch-invariant (the default), a layer takes the kernel only where it keeps at least the rows torch's
     GEMM keeps invariant (32): bf16 on AMX (64 rows); without batch invariance, wherever it runs."""

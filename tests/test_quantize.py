@@ -61,12 +61,13 @@ def test_both_matmul_paths_compute_the_dequantized_linear(dtype):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
 def test_int8_engine_equals_transformers_with_int8_rounded_weights(arch, tiny_checkpoint):
     folder, hf = tiny_checkpoint(arch)
-    llm = LLM(str(folder), dtype="float32", quantization="int8")
+    # prefill in chunks of 16 tokens: each through the int8 kernel, the first two sampling no row
+    llm = LLM(str(folder), dtype="float32", quantization="int8", max_num_batched_tokens=16)
     layer = llm.engine.executor.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.int8  # really quantized, not a float copy
     assert llm.engine.executor.model.lm_head.weight.dtype == torch.int8
     captured = capture_logits(llm)
-    prompt = prompts(4)[3]  # 33 tokens: prefill takes the converted-weight path, decode the int8 kernel
+    prompt = prompts(4)[3]  # 33 tokens
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     ref_tokens, ref_logits = hf_greedy(rounded_to_int8(hf), prompt, steps=16)
     assert out.token_ids == ref_tokens

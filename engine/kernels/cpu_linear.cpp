@@ -20,8 +20,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define INFERMESH_AMX 1
@@ -241,9 +243,94 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+
+// ---- int8 weights (engine/quantize.py: one scale per weight row) ----
+
+constexpr int64_t INT8_ROWS = 16;  // as many as torch's int8 kernel took (PACKED_MAX_ROWS)
+constexpr int64_t INT8_GROUP = 8;  // rows of x summed in one pass over a weight row (in registers)
+
+inline f32x16 int8_to_float(const int8_t* p) {  // 16 of them
+#ifdef __AVX512F__
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else  // GCC's vector conversions from int8 compile to scalar code (GCC 12): this at least vectorizes the loop
+  f32x16 v;
+  for (int j = 0; j < 16; ++j) v[j] = p[j];
+  return v;
+#endif
+}
+
+// y[g * n] = scale * <w, x[g]> for G rows of x (float32, row stride k): the same order as dot_rows, over
+// int8 weights (16 at a time, exact in float32).
+template <int G, typename T>
+void dot_rows_int8(const int8_t* w, const float* x, int64_t k, float scale, T* y, int64_t n) {
+  f32x16 lo[G] = {}, hi[G] = {};
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    __builtin_prefetch(w + c + AHEAD_BYTES);
+    const f32x16 wa = int8_to_float(w + c), wb = int8_to_float(w + c + 16);
+    for (int g = 0; g < G; ++g) {
+      lo[g] += wa * load16(x + g * k + c);
+      hi[g] += wb * load16(x + g * k + c + 16);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float sum = sum16(lo[g] + hi[g]);
+    for (int64_t t = c; t < k; ++t) sum += static_cast<float>(w[t]) * x[g * k + t];
+    y[g * n] = static_cast<T>(sum * scale);
+  }
+}
+
+template <typename T>
+void run_int8(const int8_t* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, T* y,
+              int64_t n) {
+  parallel_for(n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < m; g += INT8_GROUP) {  // the rows past 8 read the weight row again, from L1
+        const int64_t rows = std::min(INT8_GROUP, m - g);
+        const int8_t* wr = w + r * stride;
+        const float* xg = x + g * k;
+        T* yg = y + g * n + r;
+        switch (rows) {
+          case 1: dot_rows_int8<1>(wr, xg, k, scale[r], yg, n); break;
+          case 2: dot_rows_int8<2>(wr, xg, k, scale[r], yg, n); break;
+          case 3: dot_rows_int8<3>(wr, xg, k, scale[r], yg, n); break;
+          case 4: dot_rows_int8<4>(wr, xg, k, scale[r], yg, n); break;
+          case 5: dot_rows_int8<5>(wr, xg, k, scale[r], yg, n); break;
+          case 6: dot_rows_int8<6>(wr, xg, k, scale[r], yg, n); break;
+          case 7: dot_rows_int8<7>(wr, xg, k, scale[r], yg, n); break;
+          default: dot_rows_int8<8>(wr, xg, k, scale[r], yg, n);
+        }
+      }
+  });
+}
+
+// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
+// in x's dtype, 1 <= M <= 16: each thread streams its weight rows once (twice past 8 rows, the second time
+// from cache), int8 converted to float32 in registers; every output summed in one order whatever M and the
+// threads (then scaled once), so a row gets the same bits in any batch of up to 16.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.stride(1) == 1 &&
+                  weight.stride(0) >= weight.size(1),
+              "weight must be int8 [N, K] with rows of unit stride, got ", weight.scalar_type(), " ", weight.sizes(),
+              " strides ", weight.strides());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0), "scale must be [", weight.size(0), "], got ",
+              scale.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be [M, ", weight.size(1), "], got ", x.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= INT8_ROWS, "x must have 1 to ", INT8_ROWS, " rows, got ", x.size(0));
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), sf = scale.to(at::kFloat).contiguous();  // [M, K], [N]
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_int8", [&] {
+    run_int8(weight.data_ptr<int8_t>(), weight.stride(0), sf.data_ptr<float>(), xf.data_ptr<float>(), m, k,
+             out.data_ptr<scalar_t>(), n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);
   m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor", &linear_int8);
 }
