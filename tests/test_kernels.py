@@ -312,6 +312,30 @@ def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_resu
             assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, most))
 
 
+def test_with_amx_switched_off_bf16_takes_the_vector_kernel_up_to_8_rows_and_it_holds_the_same_contract():
+    """INFERMESH_CPU_AMX=off: bf16 goes through the vector path (what a CPU without AMX runs), 1 to 8 rows,
+    within bf16's rounding of float64 and each row bit for bit the same in every batch."""
+    import os
+    import subprocess
+    import sys
+    script = """
+import torch
+from engine.kernels import cpu_ops
+ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+assert ops.linear_rows(torch.bfloat16) == 8
+for rows, k in [(300, 576), (33, 70)]:
+    weight = torch.randn(rows, k + 5, generator=g).bfloat16()[:, :k]
+    x = torch.randn(8, k, generator=g).bfloat16()
+    full = ops.linear(x, weight)
+    torch.testing.assert_close(full, (x.double() @ weight.double().T).bfloat16(), rtol=2**-7, atol=2**-7 * k**0.5)
+    assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, 9))
+    assert all(torch.equal(ops.linear(x[i:i + 1], weight)[0], full[i]) for i in range(8))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "INFERMESH_CPU_AMX": "off"})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
     ops, w = cpu_ops.ops(), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="x must have 1 to 8 rows in Float, got 9"):

@@ -1,7 +1,9 @@
 // A linear layer for a few rows of activations on CPU (decode), bound by reading the weight.
 //
 // infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, in x's dtype, for
-// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX, 8 otherwise.
+// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX, 8 otherwise; and
+// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale for
+// 1 <= M <= 16 (engine/quantize.py), on the vector path below.
 //
 // Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
 // bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own.)
@@ -9,7 +11,7 @@
 // bf16 with AMX (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight)
 // times 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles
 // over ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
-// "AMX linear"). Elsewhere each intra-op thread streams a contiguous range of weight rows once for all M
+// "projections on AMX tiles"). Elsewhere each intra-op thread streams a contiguous range of weight rows once for all M
 // rows with vector FMAs, prefetching 2 KiB ahead (two float32 accumulators over 32-weight steps, then
 // halved; the last k % 32 one by one): torch's `mv` and `mm` read at ~60 % of a plain read.
 
@@ -17,6 +19,8 @@
 
 #include "cpu_vec.h"
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -36,10 +40,20 @@ using namespace infermesh_cpu;
 constexpr int64_t MAX_ROWS = 8;
 constexpr int64_t AHEAD_BYTES = 2048;
 
+inline f32x16 int8_to_float(const int8_t* p) {  // 16 of them
+#ifdef __AVX512F__
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else  // GCC's vector conversions from int8 compile to scalar code (GCC 12): this at least vectorizes the loop
+  f32x16 v;
+  for (int j = 0; j < 16; ++j) v[j] = p[j];
+  return v;
+#endif
+}
+
 // A 32-weight step as two float32 vectors. bf16: a 64-byte load holds them, and as 16 32-bit lanes
 // (lane << 16) are the even weights and (lane & 0xFFFF0000) the odd ones: no widening shuffles.
-template <typename T>
-inline void load_step(const T* w, f32x16& a, f32x16& b) {
+template <typename W>
+inline void load_step(const W* w, f32x16& a, f32x16& b) {
   a = load16(w), b = load16(w + 16);
 }
 template <>
@@ -48,44 +62,69 @@ inline void load_step(const c10::BFloat16* w, f32x16& a, f32x16& b) {
   std::memcpy(&pairs, w, sizeof pairs);
   a = (f32x16)(pairs << 16), b = (f32x16)(pairs & 0xFFFF0000u);
 }
+template <>
+inline void load_step(const int8_t* w, f32x16& a, f32x16& b) {
+  a = int8_to_float(w), b = int8_to_float(w + 16);
+}
 
-// x [k] as float32 in the order load_step gives a step's weights (bf16: each 32's even, then odd positions).
-template <typename T>
+// x [k] as float32 in the order load_step gives a step's weights of type W (bf16: each 32's even, then odd
+// positions; others as they are).
+template <typename W, typename T>
 void arrange_x(const T* x, float* out, int64_t k) {
   int64_t c = 0;
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
+  if constexpr (std::is_same_v<W, c10::BFloat16>)
     for (; c + 32 <= k; c += 32)
       for (int64_t i = 0; i < 16; ++i)
         out[c + i] = to_float(x[c + 2 * i]), out[c + 16 + i] = to_float(x[c + 2 * i + 1]);
   for (; c < k; ++c) out[c] = to_float(x[c]);
 }
 
-// y[g * n] = <w, x[g]> for the M rows of x (arranged, row stride k): one pass over the weight row.
-template <int M, typename T>
-void dot_rows(const T* w, const float* x, int64_t k, T* y, int64_t n) {
-  f32x16 even[M] = {}, odd[M] = {};
+// y[g * n] = scale * <w, x[g]> for the G rows of x (arranged, row stride k): one pass over the weight row.
+template <int G, typename W, typename Y>
+void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t n) {
+  f32x16 even[G] = {}, odd[G] = {};
   int64_t c = 0;
   for (; c + 32 <= k; c += 32) {
-    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(T)); b += 64)
+    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(W)); b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(w + c) + AHEAD_BYTES + b);
     f32x16 a, b;
     load_step(w + c, a, b);
-    for (int g = 0; g < M; ++g) {
+    for (int g = 0; g < G; ++g) {
       even[g] += a * load16(x + g * k + c);
       odd[g] += b * load16(x + g * k + c + 16);
     }
   }
-  for (int g = 0; g < M; ++g) {
+  for (int g = 0; g < G; ++g) {
     float sum = sum16(even[g] + odd[g]);
     for (int64_t t = c; t < k; ++t) sum += to_float(w[t]) * x[g * k + t];
-    y[g * n] = static_cast<T>(sum);
+    y[g * n] = static_cast<Y>(sum * scale);
   }
 }
 
-template <int M, typename T>
-void run(const T* w, int64_t stride, const float* x, int64_t k, T* y, int64_t n) {
+// y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op
+// thread streams its range of weight rows, once per GROUP rows of x (past the first group from cache).
+constexpr int64_t GROUP = 8;  // rows of x summed in one pass over a weight row, in registers
+
+template <typename W, typename Y>
+void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, Y* y, int64_t n) {
   parallel_for(n, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dot_rows<M>(w + r * stride, x, k, y + r, n);
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < m; g += GROUP) {
+        const W* wr = w + r * stride;
+        const float* xg = x + g * k;
+        const float s = scale ? scale[r] : 1.0f;
+        Y* yg = y + g * n + r;
+        switch (std::min(GROUP, m - g)) {
+          case 1: dot_rows<1>(wr, xg, k, s, yg, n); break;
+          case 2: dot_rows<2>(wr, xg, k, s, yg, n); break;
+          case 3: dot_rows<3>(wr, xg, k, s, yg, n); break;
+          case 4: dot_rows<4>(wr, xg, k, s, yg, n); break;
+          case 5: dot_rows<5>(wr, xg, k, s, yg, n); break;
+          case 6: dot_rows<6>(wr, xg, k, s, yg, n); break;
+          case 7: dot_rows<7>(wr, xg, k, s, yg, n); break;
+          default: dot_rows<8>(wr, xg, k, s, yg, n);
+        }
+      }
   });
 }
 
@@ -96,10 +135,17 @@ constexpr int64_t AMX_ROWS = 64;  // every decode step of the engine's default m
 #ifdef INFERMESH_AMX
 using bf16 = c10::BFloat16;
 
-bool amx_usable() {  // Linux gives a process the tile registers' 8 KiB of state only when it asks
+// Whether bf16 takes the tiles: unless INFERMESH_CPU_AMX=off (an operator's switch, and how the tests reach
+// the vector path on a CPU with AMX), and once Linux gave the process the tiles' 8 KiB of state (it asks).
+bool amx_usable() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
+  static const bool usable = [] {
+    const char* setting = std::getenv("INFERMESH_CPU_AMX");
+    const std::string off = setting ? setting : "on";
+    if (off == "off" || off == "0" || off == "false") return false;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return usable;
 }
 
 struct alignas(64) TileConfig {  // palette 1: each tile's rows and bytes per row, loaded per thread
@@ -221,24 +267,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 #ifdef INFERMESH_AMX
   if (x.scalar_type() == at::kBFloat16 && amx_usable()) return linear_amx(x, weight);
 #endif
-  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {
     std::vector<float> xf(m * k);  // [M, K] in float32, arranged
     const at::Tensor xc = x.contiguous();
-    for (int64_t i = 0; i < m; ++i) arrange_x(xc.data_ptr<scalar_t>() + i * k, xf.data() + i * k, k);
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* y = out.data_ptr<scalar_t>();
-    switch (m) {
-      case 1: return run<1>(w, stride, xf.data(), k, y, n);
-      case 2: return run<2>(w, stride, xf.data(), k, y, n);
-      case 3: return run<3>(w, stride, xf.data(), k, y, n);
-      case 4: return run<4>(w, stride, xf.data(), k, y, n);
-      case 5: return run<5>(w, stride, xf.data(), k, y, n);
-      case 6: return run<6>(w, stride, xf.data(), k, y, n);
-      case 7: return run<7>(w, stride, xf.data(), k, y, n);
-      default: return run<8>(w, stride, xf.data(), k, y, n);
-    }
+    for (int64_t i = 0; i < m; ++i) arrange_x<scalar_t>(xc.data_ptr<scalar_t>() + i * k, xf.data() + i * k, k);
+    run(weight.data_ptr<scalar_t>(), weight.stride(0), nullptr, xf.data(), m, k, out.data_ptr<scalar_t>(), n);
   });
   return out;
 }
@@ -247,62 +282,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 // ---- int8 weights (engine/quantize.py: one scale per weight row) ----
 
 constexpr int64_t INT8_ROWS = 16;  // as many as torch's int8 kernel took (PACKED_MAX_ROWS)
-constexpr int64_t INT8_GROUP = 8;  // rows of x summed in one pass over a weight row (in registers)
-
-inline f32x16 int8_to_float(const int8_t* p) {  // 16 of them
-#ifdef __AVX512F__
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else  // GCC's vector conversions from int8 compile to scalar code (GCC 12): this at least vectorizes the loop
-  f32x16 v;
-  for (int j = 0; j < 16; ++j) v[j] = p[j];
-  return v;
-#endif
-}
-
-// y[g * n] = scale * <w, x[g]> for G rows of x (float32, row stride k): the same order as dot_rows, over
-// int8 weights (16 at a time, exact in float32).
-template <int G, typename T>
-void dot_rows_int8(const int8_t* w, const float* x, int64_t k, float scale, T* y, int64_t n) {
-  f32x16 lo[G] = {}, hi[G] = {};
-  int64_t c = 0;
-  for (; c + 32 <= k; c += 32) {
-    __builtin_prefetch(w + c + AHEAD_BYTES);
-    const f32x16 wa = int8_to_float(w + c), wb = int8_to_float(w + c + 16);
-    for (int g = 0; g < G; ++g) {
-      lo[g] += wa * load16(x + g * k + c);
-      hi[g] += wb * load16(x + g * k + c + 16);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float sum = sum16(lo[g] + hi[g]);
-    for (int64_t t = c; t < k; ++t) sum += static_cast<float>(w[t]) * x[g * k + t];
-    y[g * n] = static_cast<T>(sum * scale);
-  }
-}
-
-template <typename T>
-void run_int8(const int8_t* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, T* y,
-              int64_t n) {
-  parallel_for(n, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t g = 0; g < m; g += INT8_GROUP) {  // the rows past 8 read the weight row again, from L1
-        const int64_t rows = std::min(INT8_GROUP, m - g);
-        const int8_t* wr = w + r * stride;
-        const float* xg = x + g * k;
-        T* yg = y + g * n + r;
-        switch (rows) {
-          case 1: dot_rows_int8<1>(wr, xg, k, scale[r], yg, n); break;
-          case 2: dot_rows_int8<2>(wr, xg, k, scale[r], yg, n); break;
-          case 3: dot_rows_int8<3>(wr, xg, k, scale[r], yg, n); break;
-          case 4: dot_rows_int8<4>(wr, xg, k, scale[r], yg, n); break;
-          case 5: dot_rows_int8<5>(wr, xg, k, scale[r], yg, n); break;
-          case 6: dot_rows_int8<6>(wr, xg, k, scale[r], yg, n); break;
-          case 7: dot_rows_int8<7>(wr, xg, k, scale[r], yg, n); break;
-          default: dot_rows_int8<8>(wr, xg, k, scale[r], yg, n);
-        }
-      }
-  });
-}
 
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
 // in x's dtype, 1 <= M <= 16: each thread streams its weight rows once (twice past 8 rows, the second time
@@ -321,8 +300,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor out = at::empty({m, n}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous(), sf = scale.to(at::kFloat).contiguous();  // [M, K], [N]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_int8", [&] {
-    run_int8(weight.data_ptr<int8_t>(), weight.stride(0), sf.data_ptr<float>(), xf.data_ptr<float>(), m, k,
-             out.data_ptr<scalar_t>(), n);
+    run(weight.data_ptr<int8_t>(), weight.stride(0), sf.data_ptr<float>(), xf.data_ptr<float>(), m, k,
+        out.data_ptr<scalar_t>(), n);
   });
   return out;
 }

@@ -22,6 +22,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+inline float to_float(int8_t x) { return x; }
 inline float to_float(float x) { return x; }
 inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
