@@ -146,7 +146,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                         start(item)
                     elif item.HasField("cancel"):
                         self.core.cancel(item.cancel.request_id)
-            except grpc.RpcError:  # the router went away
+            except (grpc.RpcError, ServingError):  # the router went away, or the engine stopped
                 pass
             finally:
                 events.put(None)
@@ -164,8 +164,11 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                     return
         finally:  # the stream closed: what it started and did not finish is cancelled, its blocks freed
             for rid, span in list(spans.items()):
-                self.core.cancel(rid)
                 span.end()
+                try:
+                    self.core.cancel(rid)
+                except ServingError:  # the engine stopped meanwhile: it freed everything itself
+                    pass
 
     def _stream_event(self, rid: str, event, spans: dict) -> list[internal_pb2.StreamEvent]:
         span = spans.get(rid)
