@@ -50,11 +50,11 @@ class Linear(nn.Linear):
     """`nn.Linear` with two CPU paths for decode at small batch.
 
     1 to `few_rows` rows (set by engine/parallel/parallelize.py, `few_rows`) go through the C++ few-row
-    kernel (engine/kernels/cpu_linear.cpp: AMX tiles in bf16, up to 64 rows), which reads the weight near a
-    plain read's speed and sums every output in one order: a row gets the same bits in any batch it takes,
-    not what torch's GEMM gives it. Otherwise one bf16 row is multiplied as a matrix-vector product, bit for
-    bit what the row gets inside a batched `F.linear` (torch's AMX GEMM, up to 32 rows), and torch's `mv`
-    reads the weight ~1.5x faster than its `mm` with one row."""
+    kernel (engine/kernels/cpu_linear.cpp: bf16 on AMX tiles or AVX512-BF16, up to 64 rows), which reads
+    the weight near a plain read's speed and sums every output in one order: a row gets the same bits in any
+    batch it takes, not what torch's GEMM gives it. Otherwise one bf16 row is multiplied as a matrix-vector
+    product, bit for bit what the row gets inside a batched `F.linear` (torch's GEMM, up to 32 rows), and
+    torch's `mv` reads the weight ~1.5x faster than its `mm` with one row (on AMX CPUs)."""
 
     few_rows = 0
 

@@ -49,7 +49,7 @@ def generate(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster CPU decode at 1-8 rows without AMX "
+                                         help="Off: faster CPU decode at 1-8 rows on CPUs without AMX or AVX512-BF16 "
                                               "(engine/model.py, Linear)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
@@ -192,9 +192,9 @@ def up(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster CPU decode at 1-8 streams without AMX; a row's result "
-                                              "then depends on whether its batch has more than 8 (engine/model.py, "
-                                              "Linear)."),
+                                         help="Off: faster CPU decode at 1-8 streams on CPUs without AMX or "
+                                              "AVX512-BF16; a row's result then depends on whether its batch has "
+                                              "more than 8 (engine/model.py, Linear)."),
     cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
                                            "(by ranks); shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),

@@ -45,7 +45,7 @@ def test_to_huge_pages_moves_contiguous_weights_keeps_ties_and_leaves_views():
 
 
 def test_an_engine_on_cpu_reads_its_weights_from_huge_pages_where_its_kernels_gain_from_them(tiny_checkpoint):
-    """The few-row kernel (bf16 on AMX, or batch_invariant=False) and int8 weights read from huge pages;
+    """The few-row kernel (bf16 on AMX or AVX512-BF16, or batch_invariant=False) and int8 weights read from huge pages;
     torch's `mv` and GEMM (fp32, batch-invariant) do not gain from them, and the engine does not pay for the
     copy there."""
     from engine.parallel.parallelize import few_rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -285,55 +287,93 @@ def test_cpu_norm_and_rope_kernels_refuse_what_they_cannot_read():
         ops.rope_(torch.randn(2, 3, 8), torch.randn(3, 8), torch.randn(2, 8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
-    """The few-row kernel: x [M, K] @ weight.T for every M it takes (bf16 on AMX: 64, in tiles of 16 rows;
-    else 8), against float64, over whole 32-weight steps and tails (K = 576, 70, 24; 300 and 33 weight rows:
-    AMX's 16-row blocks with a tail) and a weight whose rows are strided (a column slice); each row's result
-    bit for bit the same in every batch and on one thread or two."""
-    ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+ROWS_BY_PATH = {"amx": 64, "dot": 64, "fma": 8}  # how many rows cpu_linear.cpp takes on each bf16 path
+
+
+def best_bf16_path() -> str:
+    """The bf16 path cpu_linear.cpp should take on this CPU, read from its flags: AMX tiles, else
+    AVX512-BF16 dot products, else float32 FMAs."""
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    return "amx" if "amx_bf16" in flags else "dot" if {"avx512_bf16", "avx512bw"} <= flags else "fma"
+
+
+def check_few_row_linear(ops, dtype) -> None:
+    """x [M, K] @ weight.T for every M the kernel takes, against float64, over whole 32-weight steps and
+    tails (K = 576, 70, 24; 300, 33 and 7 weight rows: AMX's 16-row and the dot path's 4-row blocks with
+    tails) and a weight whose rows are strided (a column slice); each row's result bit for bit the same in
+    every batch (the dot path reads weight rows one after another up to 8 rows, side by side past them) and
+    on one thread or two, also where the sums cancel (there an order changed anywhere shows in every dtype)."""
+    g = torch.Generator().manual_seed(0)
     most = ops.linear_rows(dtype)
-    assert most == (64 if dtype == torch.bfloat16 and "amx_bf16" in open("/proc/cpuinfo").read() else 8)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+
+    def same_in_any_batch(x: torch.Tensor, weight: torch.Tensor) -> None:
+        full = ops.linear(x, weight)  # [most, rows]
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = [ops.linear(x[i:i + 1], weight) for i in range(most)]
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
+        assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, most))
+
     for rows, k in [(300, 576), (33, 70), (7, 24)]:
         wide = torch.randn(rows, k + 5, generator=g).to(dtype)
         for weight in (wide[:, :k].contiguous(), wide[:, :k]):
             x = torch.randn(most, k, generator=g).to(dtype)
-            full = ops.linear(x, weight)  # [most, rows]
             want = (x.double() @ weight.double().T).to(dtype)
-            torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
-            threads = torch.get_num_threads()
-            try:
-                torch.set_num_threads(1)
-                alone = [ops.linear(x[i:i + 1], weight) for i in range(most)]
-            finally:
-                torch.set_num_threads(threads)
-            assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
-            assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, most))
+            torch.testing.assert_close(ops.linear(x, weight), want, rtol=rounding, atol=rounding * k**0.5)
+            same_in_any_batch(x, weight)
+        cancelling, ones = weight.clone(), x.clone()
+        cancelling[::2, 0], cancelling[::2, k - 1] = -2.0**14, 2.0**14  # the first and the last step
+        ones[:, 0] = ones[:, k - 1] = 1.0
+        same_in_any_batch(ones, cancelling)
 
 
-def test_with_amx_switched_off_bf16_takes_the_vector_kernel_up_to_8_rows_and_it_holds_the_same_contract():
-    """INFERMESH_CPU_AMX=off: bf16 goes through the vector path (what a CPU without AMX runs), 1 to 8 rows,
-    within bf16's rounding of float64 and each row bit for bit the same in every batch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
+    """The few-row kernel on the fastest path this CPU has for the dtype (bf16: amx or dot, 64 rows, where
+    the CPU has them; else fma, 8 rows) holds its contract (check_few_row_linear)."""
+    ops = cpu_ops.ops()
+    path = best_bf16_path() if dtype == torch.bfloat16 else "fma"
+    assert ops.linear_path(dtype) == path
+    assert ops.linear_rows(dtype) == ROWS_BY_PATH[path]
+    check_few_row_linear(ops, dtype)
+
+
+@pytest.mark.parametrize("cap", ["dot", "fma"])
+def test_bf16_capped_to_a_slower_path_takes_it_and_it_holds_the_same_contract(cap):
+    """INFERMESH_CPU_BF16=dot|fma: bf16 takes that path, or the fastest below it this CPU has (what a CPU
+    without AMX, or without AVX512-BF16, runs), with its rows and the same contract."""
     import os
     import subprocess
     import sys
-    script = """
+    order = ["fma", "dot", "amx"]
+    path = order[min(order.index(cap), order.index(best_bf16_path()))]
+    script = f"""
 import torch
 from engine.kernels import cpu_ops
-ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
-assert ops.linear_rows(torch.bfloat16) == 8
-for rows, k in [(300, 576), (33, 70)]:
-    weight = torch.randn(rows, k + 5, generator=g).bfloat16()[:, :k]
-    x = torch.randn(8, k, generator=g).bfloat16()
-    full = ops.linear(x, weight)
-    torch.testing.assert_close(full, (x.double() @ weight.double().T).bfloat16(), rtol=2**-7, atol=2**-7 * k**0.5)
-    assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, 9))
-    assert all(torch.equal(ops.linear(x[i:i + 1], weight)[0], full[i]) for i in range(8))
+from tests.test_kernels import check_few_row_linear
+ops = cpu_ops.ops()
+assert ops.linear_path(torch.bfloat16) == {path!r}, ops.linear_path(torch.bfloat16)
+assert ops.linear_rows(torch.bfloat16) == {ROWS_BY_PATH[path]}
+check_few_row_linear(ops, torch.bfloat16)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "INFERMESH_CPU_AMX": "off"})
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "INFERMESH_CPU_BF16": cap}, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_bf16_cap_the_kernels_do_not_know_is_refused_by_name():
+    import os
+    import subprocess
+    import sys
+    script = "import torch; from engine.kernels import cpu_ops; cpu_ops.ops().linear_rows(torch.bfloat16)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "INFERMESH_CPU_BF16": "avx"})
+    assert done.returncode != 0
+    assert "INFERMESH_CPU_BF16 must be amx, dot or fma, got 'avx'" in done.stderr
 
 
 def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
@@ -397,7 +437,8 @@ def test_an_int8_layer_takes_the_int8_kernel_up_to_16_rows_and_torchs_where_the_
 
 def test_the_engine_sends_rows_to_the_few_row_kernel_where_it_is_invariant_as_far_as_torch_is():
     """Batch-invariant (the default), a layer takes the kernel only where it keeps at least the rows torch's
-    GEMM keeps invariant (32): bf16 on AMX (64 rows); without batch invariance, wherever it runs."""
+    GEMM keeps invariant (32): bf16 on AMX or AVX512-BF16 (64 rows); without batch invariance, wherever it
+    runs."""
     from engine.parallel.parallelize import INVARIANT_ROWS, few_rows
     ops = cpu_ops.ops()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -1,19 +1,23 @@
 // A linear layer for a few rows of activations on CPU (decode), bound by reading the weight.
 //
 // infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, in x's dtype, for
-// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX, 8 otherwise; and
+// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX or AVX512-BF16, 8 otherwise
+// (linear_path(dtype) names the path: amx, dot or fma; INFERMESH_CPU_BF16=dot|fma caps it); and
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale for
-// 1 <= M <= 16 (engine/quantize.py), on the vector path below.
+// 1 <= M <= 16 (engine/quantize.py), on the fma path.
 //
 // Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
-// bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own.)
+// bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own, nor the
+// same from one path to another.)
 //
-// bf16 with AMX (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight)
-// times 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles
-// over ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
-// "projections on AMX tiles"). Elsewhere each intra-op thread streams a contiguous range of weight rows once for all M
-// rows with vector FMAs, prefetching 2 KiB ahead (two float32 accumulators over 32-weight steps, then
-// halved; the last k % 32 one by one): torch's `mv` and `mm` read at ~60 % of a plain read.
+// amx (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight) times
+// 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles over
+// ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
+// "projections on AMX tiles"). dot (AVX512-BF16 without AMX, e.g. AMD Zen 4): VDPBF16PS sums bf16 pairs
+// of a weight row and a row of x into 16 float32 lanes, 4 weight rows x 4 rows of x at a time, the lanes
+// then added 16 sums at once (bench/RESULTS.md, "projections on AVX512-BF16"). fma: each intra-op thread
+// streams a contiguous range of weight rows once for all M rows with float32 vector FMAs, prefetching 2 KiB
+// ahead (two float32 accumulators over 32-weight steps, then halved; the last k % 32 one by one).
 
 #include <torch/library.h>
 
@@ -132,20 +136,15 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
 
 constexpr int64_t AMX_ROWS = 64;  // every decode step of the engine's default max_num_seqs
 
-#ifdef INFERMESH_AMX
 using bf16 = c10::BFloat16;
 
-// Whether bf16 takes the tiles: unless INFERMESH_CPU_AMX=off (an operator's switch, and how the tests reach
-// the vector path on a CPU with AMX), and once Linux gave the process the tiles' 8 KiB of state (it asks).
-bool amx_usable() {
+#ifdef INFERMESH_AMX
+
+// Whether Linux gave the process the tiles' 8 KiB of state (it asks, once).
+bool amx_granted() {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool usable = [] {
-    const char* setting = std::getenv("INFERMESH_CPU_AMX");
-    const std::string off = setting ? setting : "on";
-    if (off == "off" || off == "0" || off == "false") return false;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return usable;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
 }
 
 struct alignas(64) TileConfig {  // palette 1: each tile's rows and bytes per row, loaded per thread
@@ -249,12 +248,154 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
   });
   return out;
 }
-#else
-bool amx_usable() { return false; }
 #endif
 
+// ---- bf16 on AVX512-BF16 dot products (VDPBF16PS), where there is no AMX ----
+
+constexpr int64_t DOT_ROWS = 64;  // as many as on AMX
+
+// (AVX512-BW: the masked 16-bit loads of a step's tail)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFERMESH_BF16_DOT 1
+constexpr int DOT_W = 4, DOT_X = 4;  // weight rows x rows of x summed together, in 16 registers
+constexpr int64_t DOT_READ_BOUND_ROWS = 8;  // up to this many rows of x, weight rows are read one after another
+
+// The 16 vectors' sums, each added in sum16's order (halves, quarters, then (b0 + b2) + (b1 + b3)) but 16 at
+// once: lane 4 c + j of the result is the sum of v[4 j + c].
+inline __m512 sum16x16(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i)  // [v[2i] lanes 0-7 + 8-15, v[2i+1] the same]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk c: v[4i + c]'s lanes 0-3 + 4-7
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  // in each chunk c, four vectors' quarters b: (b0 + b2) + (b1 + b3)
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]), _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]), _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+
+// y[r * n + g] for DOT_W weight rows (G of them real) and R rows of x (row stride k): each (weight row, x row)
+// sums 16 float32 lanes, lane j taking the pairs at k = 32 c + 2 j over steps c in order (VDPBF16PS), the
+// last step zero-padded; then sum16. Nothing depends on G, R, the neighbours or on whether the weight rows
+// are read one after another (`Interleaved` false: one stream from memory, the few-row case, bound by
+// reading) or side by side (true: 16 sums per step, the many-row case, bound by the dot products).
+template <int R, bool Interleaved>
+void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, int64_t n,
+               bool prefetch) {
+  const bf16* rows[DOT_W];
+  for (int g = 0; g < DOT_W; ++g) rows[g] = w + std::min<int64_t>(g, G - 1) * stride;  // past G: a repeat, unused
+  // named, not an array: GCC keeps an array of sums in memory (the loads may alias it), not in registers
+  const __m512 z = _mm512_setzero_ps();
+  __m512 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z,  // s<weight row><x row>
+      s20 = z, s21 = z, s22 = z, s23 = z, s30 = z, s31 = z, s32 = z, s33 = z;
+  // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
+  const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+      __attribute__((always_inline)) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + AHEAD_BYTES, _MM_HINT_T0);
+    const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + c);
+    a0 = _mm512_dpbf16_ps(a0, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c));
+    if constexpr (R > 1) a1 = _mm512_dpbf16_ps(a1, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k + c));
+    if constexpr (R > 2) a2 = _mm512_dpbf16_ps(a2, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 2 * k + c));
+    if constexpr (R > 3) a3 = _mm512_dpbf16_ps(a3, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 3 * k + c));
+  };
+  const auto over_k = [&](const auto& each) __attribute__((always_inline)) {
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) each(c, ~__mmask32{0});
+    if (c < k) each(c, (__mmask32{1} << (k - c)) - 1);
+  };
+  if constexpr (Interleaved) {
+    over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) {
+      step(rows[0], c, mask, s00, s01, s02, s03), step(rows[1], c, mask, s10, s11, s12, s13);
+      step(rows[2], c, mask, s20, s21, s22, s23), step(rows[3], c, mask, s30, s31, s32, s33);
+    });
+  } else {
+    over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[0], c, mask, s00, s01, s02, s03); });
+    if (G > 1) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[1], c, mask, s10, s11, s12, s13); });
+    if (G > 2) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[2], c, mask, s20, s21, s22, s23); });
+    if (G > 3) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[3], c, mask, s30, s31, s32, s33); });
+  }
+  // each sum's 16 lanes added as sum16 adds them, 16 sums at once: lane 4 r + g is s<g><r>
+  const __m512 total = sum16x16({s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33});
+  alignas(64) bf16 out[16];
+  store16(out, (f32x16)total);
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * n, out + 4 * r, G * sizeof(bf16));
+}
+
+template <bool Interleaved>
+void dot_rows_of(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t m, int64_t k, bf16* y, int64_t n) {
+  for (int64_t r = 0; r < m; r += DOT_X) {
+    const bf16* xr = x + r * k;
+    bf16* yr = y + r * n;
+    switch (std::min<int64_t>(DOT_X, m - r)) {  // the weight rows come from memory with the first rows of x
+      case 1: dot_block<1, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
+      case 2: dot_block<2, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
+      case 3: dot_block<3, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
+      default: dot_block<4, Interleaved>(w, stride, G, xr, k, yr, n, r == 0);
+    }
+  }
+}
+
+at::Tensor linear_dot(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  const bf16 *w = weight.data_ptr<bf16>(), *xs = xc.data_ptr<bf16>();
+  bf16* y = out.data_ptr<bf16>();
+  const bool interleaved = m > DOT_READ_BOUND_ROWS;
+  parallel_for((n + DOT_W - 1) / DOT_W, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * DOT_W, G = std::min<int64_t>(DOT_W, n - first);
+      if (interleaved) dot_rows_of<true>(w + first * stride, stride, G, xs, m, k, y + first, n);
+      else dot_rows_of<false>(w + first * stride, stride, G, xs, m, k, y + first, n);
+    }
+  });
+  return out;
+}
+#endif
+
+// ---- which path bf16 takes ----
+
+enum class Bf16Path { fma, dot, amx };  // slowest to fastest; float32 and half always take fma
+
+// The fastest bf16 path this CPU has, or a slower one where INFERMESH_CPU_BF16 caps it (amx, dot or fma: an
+// operator's switch, and how the tests reach every path a CPU has).
+Bf16Path bf16_path() {
+  static const Bf16Path path = [] {
+    const char* setting = std::getenv("INFERMESH_CPU_BF16");
+    const std::string cap = setting && *setting ? setting : "amx";
+    TORCH_CHECK(cap == "amx" || cap == "dot" || cap == "fma", "INFERMESH_CPU_BF16 must be amx, dot or fma, got '", cap,
+                "'");
+#ifdef INFERMESH_AMX
+    if (cap == "amx" && amx_granted()) return Bf16Path::amx;
+#endif
+#ifdef INFERMESH_BF16_DOT
+    if (cap != "fma") return Bf16Path::dot;
+#endif
+    return Bf16Path::fma;
+  }();
+  return path;
+}
+
+std::string linear_path(c10::ScalarType dtype) {
+  if (dtype != at::kBFloat16) return "fma";
+  switch (bf16_path()) {
+    case Bf16Path::amx: return "amx";
+    case Bf16Path::dot: return "dot";
+    default: return "fma";
+  }
+}
+
 // How many rows `linear` takes in this dtype.
-int64_t linear_rows(c10::ScalarType dtype) { return dtype == at::kBFloat16 && amx_usable() ? AMX_ROWS : MAX_ROWS; }
+int64_t linear_rows(c10::ScalarType dtype) {
+  if (dtype != at::kBFloat16) return MAX_ROWS;
+  switch (bf16_path()) {
+    case Bf16Path::amx: return AMX_ROWS;
+    case Bf16Path::dot: return DOT_ROWS;
+    default: return MAX_ROWS;
+  }
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
@@ -265,7 +406,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
               x.size(0));
 #ifdef INFERMESH_AMX
-  if (x.scalar_type() == at::kBFloat16 && amx_usable()) return linear_amx(x, weight);
+  if (x.scalar_type() == at::kBFloat16 && bf16_path() == Bf16Path::amx) return linear_amx(x, weight);
+#endif
+#ifdef INFERMESH_BF16_DOT
+  if (x.scalar_type() == at::kBFloat16 && bf16_path() == Bf16Path::dot) return linear_dot(x, weight);
 #endif
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
@@ -311,5 +455,6 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);
   m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);
+  m.def("linear_path(ScalarType dtype) -> str", &linear_path);
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor", &linear_int8);
 }

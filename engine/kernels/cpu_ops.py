@@ -6,9 +6,10 @@ sources, the CPU's flags and torch's version: a library found there is current, 
 it straight away (no ninja run, no build lock to wait on; a process killed while holding torch's build
 lock would otherwise stall every later load). `available()` says whether they could be built; where they
 cannot, or where INFERMESH_CPU_KERNELS=off (a switch for operators: a CPU the build misjudges, a
-comparison), the engine computes with torch instead and logs why once (INFERMESH_CPU_AMX=off keeps the
-kernels but not their AMX path: bf16 then multiplies as on a CPU without AMX). `python -m
-engine.kernels.cpu_ops` builds them now (`make setup` does). `takes(*tensors)` says whether they run on a set of inputs.
+comparison), the engine computes with torch instead and logs why once (INFERMESH_CPU_BF16=dot or fma
+keeps the kernels but caps bf16's path: dot, AVX512-BF16 without AMX tiles; fma, float32 FMAs as on a CPU
+with neither). `python -m engine.kernels.cpu_ops` builds them now (`make setup` does). `takes(*tensors)`
+says whether they run on a set of inputs.
 """
 
 from __future__ import annotations

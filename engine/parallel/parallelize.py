@@ -25,7 +25,8 @@ INVARIANT_ROWS = 32
 
 def few_rows(dtype: torch.dtype, batch_invariant: bool) -> int:
     """How many rows each Linear multiplies through the few-row CPU kernel (0: none, torch's way): all it
-    takes (bf16 with AMX: 64, covering every decode step of the default max_num_seqs; 8 elsewhere) unless
+    takes (bf16 with AMX or AVX512-BF16: 64, covering every decode step of the default max_num_seqs; 8
+    elsewhere) unless
     the engine is batch-invariant and that is fewer than torch's GEMM keeps invariant."""
     if not cpu_ops.available():
         return 0
