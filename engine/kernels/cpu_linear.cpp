@@ -262,7 +262,7 @@ constexpr int64_t DOT_READ_BOUND_ROWS = 8;  // up to this many rows of x, weight
 
 // The 16 vectors' sums, each added in sum16's order (halves, quarters, then (b0 + b2) + (b1 + b3)) but 16 at
 // once: lane 4 c + j of the result is the sum of v[4 j + c].
-inline __m512 sum16x16(const __m512 (&v)[16]) {
+__attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
   __m512 halves[8], quarters[4];
   for (int i = 0; i < 8; ++i)  // [v[2i] lanes 0-7 + 8-15, v[2i+1] the same]
     halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
