@@ -6,7 +6,8 @@ gRPC handlers call `reserve`, `generate`, `join` and `cancel` from their own
 threads; each runs as a command on the engine thread (between steps). `generate`
 and `join` return at once, a future of the queue the request's `TokenEvent`s go
 to (tokens, then a final one): a queue of its own, or one shared by the requests
-of a stream (`into`), where each event comes as (request_id, event).
+of a stream (`into`), where events come in lists of (request_id, event): one list
+for all of a step's events there (one wake of the stream's thread per step).
 
 KV arriving for reserved requests is written by this core's `receiver` from
 transport threads under `kv_lock`; the engine thread takes the same lock to drop
@@ -53,13 +54,13 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class _Tagged:
-    """A request's events into a queue shared with others, as (request_id, event)."""
+    """A request's events into a queue shared with others, as lists of (request_id, event)."""
 
     shared: queue.Queue
     request_id: str
 
     def put(self, event: TokenEvent) -> None:
-        self.shared.put((self.request_id, event))
+        self.shared.put([(self.request_id, event)])
 
 
 class DecodeCore:
@@ -79,7 +80,7 @@ class DecodeCore:
         self._block_hashes: set[int] = set()  # the last snapshot of the prefix cache
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Sequence] = {}  # active: reserved or running
-        self._loop = EngineLoop(engine, self._deliver, name="decode-engine", on_failure=self._fail_streams)
+        self._loop = EngineLoop(engine, self._deliver_step, name="decode-engine", on_failure=self._fail_streams)
         self._call = self._loop.call
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -256,17 +257,29 @@ class DecodeCore:
         return into if into is not None else self._streams[request_id]
 
     def _deliver(self, out: StepOutput) -> None:
-        seq = self._requests.get(out.request_id)
-        stream = self._streams.get(out.request_id)
-        if seq is None or stream is None:
-            return
-        reason = out.finish_reason.value if out.finish_reason else None
-        usage = None
-        if reason:
-            usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_token_ids),
-                     "cached_prompt_tokens": seq.num_cached_prompt_tokens}
-            del self._requests[out.request_id], self._streams[out.request_id]
-        stream.put(TokenEvent(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage))
+        self._deliver_step([out])
+
+    def _deliver_step(self, outputs: list[StepOutput]) -> None:
+        """Each output to its request's stream: the events bound for one shared queue as one list."""
+        shared: dict[int, tuple[queue.Queue, list]] = {}  # id(queue) -> (queue, its events)
+        for out in outputs:
+            seq = self._requests.get(out.request_id)
+            stream = self._streams.get(out.request_id)
+            if seq is None or stream is None:
+                continue
+            reason = out.finish_reason.value if out.finish_reason else None
+            usage = None
+            if reason:
+                usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_token_ids),
+                         "cached_prompt_tokens": seq.num_cached_prompt_tokens}
+                del self._requests[out.request_id], self._streams[out.request_id]
+            event = TokenEvent(out.new_token_ids, out.text_delta, out.new_logprobs, reason, usage)
+            if isinstance(stream, _Tagged):
+                shared.setdefault(id(stream.shared), (stream.shared, []))[1].append((stream.request_id, event))
+            else:
+                stream.put(event)
+        for events, batch in shared.values():
+            events.put(batch)
 
     def _unpublish(self, request_id: str) -> None:
         """Other ranks keep accepting pieces until the next step plan names the reservation as ended."""

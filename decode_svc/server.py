@@ -124,7 +124,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         """Requests multiplexed on one stream: a reader thread starts and cancels them as they come; here,
         whatever events are queued when this thread wakes (every request's tokens of a step, usually) go
         out in one message. Each request's span runs from its start to its last event."""
-        events: queue.Queue = queue.Queue()  # (request_id, TokenEvent | the error it failed with); None: the end
+        events: queue.Queue = queue.Queue()  # lists of (request_id, TokenEvent | its error); None: the end
         spans: dict[str, trace.Span] = {}  # the requests started here and not finished
 
         def start(item) -> None:
@@ -135,9 +135,9 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                                                  "request_id": rid, "prefill_locally": request.prefill_locally})
             try:
                 self._open(request, into=events).add_done_callback(
-                    lambda done: done.exception() and events.put((rid, done.exception())))
+                    lambda done: done.exception() and events.put([(rid, done.exception())]))
             except ServingError as e:  # not admitted, or bad sampling parameters
-                events.put((rid, e))
+                events.put([(rid, e)])
 
         def read() -> None:
             try:
@@ -157,7 +157,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
                 batch = [events.get()]
                 while not events.empty():
                     batch.append(events.get_nowait())
-                out = [self._stream_event(rid, event, spans) for rid, event in filter(None, batch)]
+                out = [self._stream_event(rid, event, spans) for each in filter(None, batch) for rid, event in each]
                 if out:
                     yield internal_pb2.StreamResponse(events=[e for each in out for e in each])
                 if None in batch:

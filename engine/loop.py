@@ -3,7 +3,7 @@
 The loop thread owns the engine. It runs queued commands (`call(fn)` runs `fn`
 there between steps and returns its result or raises its exception in the
 caller's thread; `submit(fn)` returns its future instead), then one engine step,
-handing every output to `on_output`; it sleeps on the command queue while the
+handing its outputs to `on_outputs` (all of them in one call); it sleeps on the command queue while the
 engine has nothing to do. `stop()` ends the loop, runs `on_stop` there last (to
 abort what is unfinished), and is safe to call twice. If a step raises, the loop
 stops: `on_failure(error)` runs (to fail the requests waiting on it) and every
@@ -32,9 +32,9 @@ _MOVE = "move"  # a command: the loop's thread lets go of it (`run_here`)
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_output: Callable[[StepOutput], None], name: str = "engine",
+    def __init__(self, engine: EngineCore, on_outputs: Callable[[list[StepOutput]], None], name: str = "engine",
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
-        self.engine, self.on_output, self.on_failure = engine, on_output, on_failure
+        self.engine, self.on_outputs, self.on_failure = engine, on_outputs, on_failure
         self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
@@ -112,8 +112,7 @@ class EngineLoop:
                 except Exception as e:
                     self._fail(e)
                     return None
-                for out in outputs:
-                    self.on_output(out)
+                self.on_outputs(outputs)
 
     def _fail(self, error: BaseException) -> None:
         self.error = error

@@ -51,7 +51,7 @@ class PrefillCore:
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None
         self._waiting: dict[str, Future] = {}
-        self._loop = EngineLoop(engine, self._deliver, name="prefill-engine", on_failure=self._fail_waiting)
+        self._loop = EngineLoop(engine, self._deliver_all, name="prefill-engine", on_failure=self._fail_waiting)
 
     @property
     def failed(self) -> bool:
@@ -140,6 +140,10 @@ class PrefillCore:
         blocks = self.engine.blocks
         return {"active_requests": len(self._waiting), "total_requests": self.total_requests,
                 "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
+
+    def _deliver_all(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
 
     def _deliver(self, out: StepOutput) -> None:
         waiting = self._waiting.pop(out.request_id, None)

@@ -117,7 +117,7 @@ def test_an_engine_step_that_raises_stops_the_loop_and_fails_its_waiters(engines
 
     _, decode, _ = engines
     failures = []
-    loop = EngineLoop(decode, on_output=lambda out: None, on_failure=failures.append).start()
+    loop = EngineLoop(decode, on_outputs=lambda outs: None, on_failure=failures.append).start()
     loop.call(lambda: decode.add_request("r", [5, 6, 7], GREEDY))
 
     def broken_step():
@@ -142,12 +142,12 @@ def test_the_loop_moves_into_another_thread_between_steps_and_stops_there(engine
     _, decode, reference = engines
     tokens, threads = [], set()
 
-    def on_output(out) -> None:
-        tokens.extend(out.new_token_ids)
+    def on_outputs(outputs) -> None:
+        tokens.extend(t for out in outputs for t in out.new_token_ids)
         threads.add(threading.current_thread().name)
 
     prompt = prompts()[1]
-    loop = EngineLoop(decode, on_output=on_output, name="first").start()
+    loop = EngineLoop(decode, on_outputs=on_outputs, name="first").start()
     loop.call(lambda: decode.add_request("r", prompt, GREEDY))
     taker = threading.Thread(target=loop.run_here, name="taker")
     taker.start()
@@ -158,6 +158,6 @@ def test_the_loop_moves_into_another_thread_between_steps_and_stops_there(engine
     taker.join(timeout=10)
     assert not taker.is_alive()
 
-    stopped = EngineLoop(decode, on_output=on_output).start()
+    stopped = EngineLoop(decode, on_outputs=on_outputs).start()
     stopped.stop()
     stopped.run_here()  # returns at once: nothing left to run

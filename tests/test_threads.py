@@ -47,7 +47,7 @@ def test_the_engine_loop_runs_with_its_creators_threads_on_a_thread_of_its_own(t
         pytest.skip("one core: every thread runs torch on one thread anyway")
     folder, _ = tiny_checkpoint("llama")
     loop = EngineLoop(EngineCore(load_checkpoint(str(folder)), EngineConfig(dtype="float32", num_kv_blocks=8)),
-                      on_output=lambda out: None)
+                      on_outputs=lambda outs: None)
     threads_on_another_thread(off_the_engine_thread)  # a side thread set one before the loop's thread starts
     loop.start()
     try:
