@@ -76,10 +76,12 @@ inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
 
 // Rows prefetched ahead of the one in use (a KV head's part of a row is strided, which the hardware
 // prefetcher follows poorly): 19-20 -> 10-12 ms for 30 layers of 6,000 tokens on 2 cores (bench/RESULTS.md).
+// Into L2, not L1: L1 has too few misses in flight for 32 rows of 2 lines each (AMD Zen 4: 9.3-10.2 ->
+// 7.7-7.9 ms at 1 x 6,000 tokens, 11.9-12.8 -> 8.4-8.9 at 32 x 200).
 constexpr int64_t AHEAD = 32;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
 
 // P query heads q [P, D] that share one KV head, over n cache rows (keys + rows[i], values + rows[i]):
