@@ -293,7 +293,7 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
   // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
   const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
       __attribute__((always_inline)) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + AHEAD_BYTES, _MM_HINT_T0);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + AHEAD_BYTES, _MM_HINT_T1);
     const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + c);
     a0 = _mm512_dpbf16_ps(a0, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c));
     if constexpr (R > 1) a1 = _mm512_dpbf16_ps(a1, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k + c));
