@@ -122,8 +122,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
 
     def Stream(self, requests, context):
         """Requests multiplexed on one stream: a reader thread starts and cancels them as they come; here,
-        whatever events are queued when this thread wakes (every request's tokens of a step, usually) go
-        out in one message. Each request's span runs from its start to its last event."""
+        whatever events are queued when this thread wakes (a step's tokens for every request come as one
+        list) go out in one message. Each request's span runs from its start to its last event."""
         events: queue.Queue = queue.Queue()  # lists of (request_id, TokenEvent | its error); None: the end
         spans: dict[str, trace.Span] = {}  # the requests started here and not finished
 

@@ -3,11 +3,12 @@
 The loop thread owns the engine. It runs queued commands (`call(fn)` runs `fn`
 there between steps and returns its result or raises its exception in the
 caller's thread; `submit(fn)` returns its future instead), then one engine step,
-handing its outputs to `on_outputs` (all of them in one call); it sleeps on the command queue while the
-engine has nothing to do. `stop()` ends the loop, runs `on_stop` there last (to
-abort what is unfinished), and is safe to call twice. If a step raises, the loop
-stops: `on_failure(error)` runs (to fail the requests waiting on it) and every
-later `call` raises `PeerFailed`; after `stop()` it raises `Draining`.
+handing its outputs to `on_outputs` (all of them in one call); it sleeps on the
+command queue while the engine has nothing to do. `stop()` ends the loop, runs
+`on_stop` there last (to abort what is unfinished), and is safe to call twice. If
+a step raises, the loop stops: `on_failure(error)` runs (to fail the requests
+waiting on it) and every later `call` raises `PeerFailed`; after `stop()` it
+raises `Draining`.
 
 `start()` runs the loop on a thread of its own; `run_here()` then moves it into the
 calling thread, between two steps, and returns when it stops. A serving process

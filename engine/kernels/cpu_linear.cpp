@@ -271,8 +271,10 @@ __attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
     quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
                                 _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
   // in each chunk c, four vectors' quarters b: (b0 + b2) + (b1 + b3)
-  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]), _mm512_unpackhi_ps(quarters[0], quarters[1]));
-  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]), _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                 _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                 _mm512_unpackhi_ps(quarters[2], quarters[3]));
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
 }
 
@@ -310,11 +312,15 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
       step(rows[0], c, mask, s00, s01, s02, s03), step(rows[1], c, mask, s10, s11, s12, s13);
       step(rows[2], c, mask, s20, s21, s22, s23), step(rows[3], c, mask, s30, s31, s32, s33);
     });
-  } else {
-    over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[0], c, mask, s00, s01, s02, s03); });
-    if (G > 1) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[1], c, mask, s10, s11, s12, s13); });
-    if (G > 2) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[2], c, mask, s20, s21, s22, s23); });
-    if (G > 3) over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(rows[3], c, mask, s30, s31, s32, s33); });
+  } else {  // a weight row's every step, then the next row's
+    const auto row_sums = [&](const bf16* row, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+        __attribute__((always_inline)) {
+      over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(row, c, mask, a0, a1, a2, a3); });
+    };
+    row_sums(rows[0], s00, s01, s02, s03);
+    if (G > 1) row_sums(rows[1], s10, s11, s12, s13);
+    if (G > 2) row_sums(rows[2], s20, s21, s22, s23);
+    if (G > 3) row_sums(rows[3], s30, s31, s32, s33);
   }
   // each sum's 16 lanes added as sum16 adds them, 16 sums at once: lane 4 r + g is s<g><r>
   const __m512 total = sum16x16({s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33});
