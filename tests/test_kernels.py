@@ -342,16 +342,22 @@ def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_resu
     check_few_row_linear(ops, dtype)
 
 
+def with_bf16_cap(cap: str, script: str):
+    """`script` run by a fresh Python in the repository with INFERMESH_CPU_BF16=`cap` (read once per process)."""
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "INFERMESH_CPU_BF16": cap}, cwd=Path(__file__).parents[1])
+
+
 @pytest.mark.parametrize("cap", ["dot", "fma"])
 def test_bf16_capped_to_a_slower_path_takes_it_and_it_holds_the_same_contract(cap):
     """INFERMESH_CPU_BF16=dot|fma: bf16 takes that path, or the fastest below it this CPU has (what a CPU
     without AMX, or without AVX512-BF16, runs), with its rows and the same contract."""
-    import os
-    import subprocess
-    import sys
     order = ["fma", "dot", "amx"]
     path = order[min(order.index(cap), order.index(best_bf16_path()))]
-    script = f"""
+    done = with_bf16_cap(cap, f"""
 import torch
 from engine.kernels import cpu_ops
 from tests.test_kernels import check_few_row_linear
@@ -359,19 +365,13 @@ ops = cpu_ops.ops()
 assert ops.linear_path(torch.bfloat16) == {path!r}, ops.linear_path(torch.bfloat16)
 assert ops.linear_rows(torch.bfloat16) == {ROWS_BY_PATH[path]}
 check_few_row_linear(ops, torch.bfloat16)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "INFERMESH_CPU_BF16": cap}, cwd=Path(__file__).parents[1])
+""")
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_bf16_cap_the_kernels_do_not_know_is_refused_by_name():
-    import os
-    import subprocess
-    import sys
-    script = "import torch; from engine.kernels import cpu_ops; cpu_ops.ops().linear_rows(torch.bfloat16)"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "INFERMESH_CPU_BF16": "avx"})
+    done = with_bf16_cap("avx", "import torch; from engine.kernels import cpu_ops; "
+                                "cpu_ops.ops().linear_rows(torch.bfloat16)")
     assert done.returncode != 0
     assert "INFERMESH_CPU_BF16 must be amx, dot or fma, got 'avx'" in done.stderr
 

@@ -41,7 +41,8 @@ namespace {
 
 using namespace infermesh_cpu;
 
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 8;    // the fma path
+constexpr int64_t WIDE_ROWS = 64;  // the amx and dot paths: every decode step of the default max_num_seqs
 constexpr int64_t AHEAD_BYTES = 2048;
 
 inline f32x16 int8_to_float(const int8_t* p) {  // 16 of them
@@ -133,8 +134,6 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
 }
 
 // ---- bf16 on AMX tiles ----
-
-constexpr int64_t AMX_ROWS = 64;  // every decode step of the engine's default max_num_seqs
 
 using bf16 = c10::BFloat16;
 
@@ -251,8 +250,6 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
 #endif
 
 // ---- bf16 on AVX512-BF16 dot products (VDPBF16PS), where there is no AMX ----
-
-constexpr int64_t DOT_ROWS = 64;  // as many as on AMX
 
 // (AVX512-BW: the masked 16-bit loads of a step's tail)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -384,24 +381,16 @@ Bf16Path bf16_path() {
   return path;
 }
 
+Bf16Path linear_path_of(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? bf16_path() : Bf16Path::fma; }
+
+// The path `linear` takes in this dtype, by name.
 std::string linear_path(c10::ScalarType dtype) {
-  if (dtype != at::kBFloat16) return "fma";
-  switch (bf16_path()) {
-    case Bf16Path::amx: return "amx";
-    case Bf16Path::dot: return "dot";
-    default: return "fma";
-  }
+  static const char* const names[] = {"fma", "dot", "amx"};  // in Bf16Path's order
+  return names[static_cast<int>(linear_path_of(dtype))];
 }
 
 // How many rows `linear` takes in this dtype.
-int64_t linear_rows(c10::ScalarType dtype) {
-  if (dtype != at::kBFloat16) return MAX_ROWS;
-  switch (bf16_path()) {
-    case Bf16Path::amx: return AMX_ROWS;
-    case Bf16Path::dot: return DOT_ROWS;
-    default: return MAX_ROWS;
-  }
-}
+int64_t linear_rows(c10::ScalarType dtype) { return linear_path_of(dtype) == Bf16Path::fma ? MAX_ROWS : WIDE_ROWS; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
@@ -412,10 +401,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
               x.size(0));
 #ifdef INFERMESH_AMX
-  if (x.scalar_type() == at::kBFloat16 && bf16_path() == Bf16Path::amx) return linear_amx(x, weight);
+  if (linear_path_of(x.scalar_type()) == Bf16Path::amx) return linear_amx(x, weight);
 #endif
 #ifdef INFERMESH_BF16_DOT
-  if (x.scalar_type() == at::kBFloat16 && bf16_path() == Bf16Path::dot) return linear_dot(x, weight);
+  if (linear_path_of(x.scalar_type()) == Bf16Path::dot) return linear_dot(x, weight);
 #endif
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
