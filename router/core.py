@@ -165,9 +165,9 @@ class RouterCore:
             forwarded: list[int] = []  # the token ids the client has
             first_at, migrations = None, 0
             while True:
-                chosen = self._route(ids, failed)
+                chosen, blocks = self._route(ids, failed, resumed=len(forwarded))
                 try:
-                    for response in self._attempt(rid, ids, sampling, chosen, call, forwarded):
+                    for response in self._responses(rid, ids, sampling, chosen, call, forwarded):
                         if response.HasField("delta"):
                             forwarded += response.delta.token_ids
                             first_at = first_at or time.monotonic()
@@ -190,6 +190,8 @@ class RouterCore:
                         self.migrations.add(1)
                         continue
                     raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
+                finally:
+                    self._unroute(chosen.decode.id, blocks)
 
     @staticmethod
     def _complete(final: inference_pb2.Final, rid: str, ids: list[int], started: float, first_at: float | None):
@@ -202,54 +204,57 @@ class RouterCore:
             ttft_s=(first_at or end) - started, total_s=end - started,
             tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
 
-    def _route(self, ids: list[int], failed: set[str]):
+    def _route(self, ids: list[int], failed: set[str], resumed: int):
+        """The instances for one try, counted against the chosen decode instance's load until `_unroute`:
+        choosing and counting are one step, so each request of a burst sees the ones routed before it.
+        After a migration the new decode instance holds the prompt and the `resumed` tokens."""
         with tracer().start_as_current_span("router.route") as route_span:
             # the hashes in the block size last seen (decode enforces one for all), read with the instances
             chain = prefix_hashes(ids, self._block_size) if self._block_size else []
             everyone, hits = self.registry.instances_and_hits(chain)
-            decodes = [self._with_routed(d) for d in everyone if d.role is Role.DECODE and d.id not in failed]
+            decodes = [d for d in everyone if d.role is Role.DECODE and d.id not in failed]
             prefills = [i for i in everyone if i.role is Role.PREFILL]
             block_size = next((d.block_size for d in decodes if d.block_size), 0)
             if block_size != self._block_size:  # the first request, or a mesh that changed: read the hits again
                 self._block_size = block_size
                 chain = prefix_hashes(ids, block_size) if block_size else []
                 hits = self.registry.prefix_hits(chain) if chain else {}
-            try:
-                chosen = route(prompt_tokens=len(ids), decodes=decodes, prefills=prefills,
-                               policy=self.settings.policy, turn=next(self._turns), prefix_hits=hits,
-                               block_size=block_size, local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
-                               max_active=self.settings.shed_active_requests)
-            except NoInstance as e:
-                raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) from None
+            with self._lock:
+                try:
+                    chosen = route(prompt_tokens=len(ids), decodes=[self._with_routed(d) for d in decodes],
+                                   prefills=prefills, policy=self.settings.policy, turn=next(self._turns),
+                                   prefix_hits=hits, block_size=block_size,
+                                   local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
+                                   max_active=self.settings.shed_active_requests)
+                except NoInstance as e:
+                    raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) \
+                        from None
+                blocks = -(-(len(ids) + resumed) // max(chosen.decode.block_size, 1))
+                routed = self._routed.setdefault(chosen.decode.id, [0, 0])
+                routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
             route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
                                        "prefill": chosen.prefill.id if chosen.prefill else ""})
         self.routes.add(1, {"decision": chosen.decision.value})
-        return chosen
+        return chosen, blocks
 
     def _with_routed(self, decode):
-        """The registry's record of `decode`, its load raised to what this router has routed there itself."""
-        with self._lock:
-            requests, blocks = self._routed.get(decode.id, (0, 0))
+        """The registry's record of `decode`, its load raised to what this router has routed there itself
+        (called under the lock)."""
+        requests, blocks = self._routed.get(decode.id, (0, 0))
         return dataclasses.replace(decode, active_requests=max(decode.active_requests, requests),
                                    kv_blocks_used=max(decode.kv_blocks_used, blocks))
 
-    def _attempt(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
-        """One try on the chosen instances: the decode instance's responses, counted against its load while
-        they run. After a migration (`resume`: the tokens already streamed) the new decode instance prefills
-        prompt and tokens itself and goes on."""
-        blocks = -(-(len(ids) + len(resume)) // max(chosen.decode.block_size, 1))
+    def _unroute(self, decode_id: str, blocks: int) -> None:
+        """A try routed to `decode_id` ended (finished, failed or left)."""
         with self._lock:
-            routed = self._routed.setdefault(chosen.decode.id, [0, 0])
-            routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
-        try:
-            yield from self._responses(rid, ids, sampling, chosen, call, resume)
-        finally:
-            with self._lock:
-                routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
-                if routed[0] == 0:
-                    self._routed.pop(chosen.decode.id, None)
+            routed = self._routed[decode_id]
+            routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
+            if routed[0] == 0:
+                del self._routed[decode_id]
 
     def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
+        """One try on the chosen instances: the decode instance's responses. After a migration (`resume`:
+        the tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
         metadata = outgoing_metadata()
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
         reserved = chosen.prefill is not None and not resume
