@@ -257,24 +257,6 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
 constexpr int DOT_W = 4, DOT_X = 4;  // weight rows x rows of x summed together, in 16 registers
 constexpr int64_t DOT_READ_BOUND_ROWS = 8;  // up to this many rows of x, weight rows are read one after another
 
-// The 16 vectors' sums, each added in sum16's order (halves, quarters, then (b0 + b2) + (b1 + b3)) but 16 at
-// once: lane 4 c + j of the result is the sum of v[4 j + c].
-__attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
-  __m512 halves[8], quarters[4];
-  for (int i = 0; i < 8; ++i)  // [v[2i] lanes 0-7 + 8-15, v[2i+1] the same]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit chunk c: v[4i + c]'s lanes 0-3 + 4-7
-    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
-                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
-  // in each chunk c, four vectors' quarters b: (b0 + b2) + (b1 + b3)
-  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
-                                 _mm512_unpackhi_ps(quarters[0], quarters[1]));
-  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
-                                 _mm512_unpackhi_ps(quarters[2], quarters[3]));
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-}
-
 // y[r * n + g] for DOT_W weight rows (G of them real) and R rows of x (row stride k): each (weight row, x row)
 // sums 16 float32 lanes, lane j taking the pairs at k = 32 c + 2 j over steps c in order (VDPBF16PS), the
 // last step zero-padded; then sum16. Nothing depends on G, R, the neighbours or on whether the weight rows

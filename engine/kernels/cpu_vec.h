@@ -7,6 +7,10 @@
 
 #include <omp.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -42,9 +46,13 @@ inline f32x16 load16(const float* p) {
 }
 template <>
 inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+#if defined(__AVX512F__)  // one widening load (GCC widens a vector of 16 in two halves)
+  return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   u16x16 bits;
   std::memcpy(&bits, p, sizeof bits);
   return (f32x16)(__builtin_convertvector(bits, u32x16) << 16);
+#endif
 }
 
 inline float sum16(f32x16 v) {  // halve and add: in registers with GCC >= 12 or Clang, through memory before
@@ -64,6 +72,26 @@ inline float sum16(f32x16 v) {  // halve and add: in registers with GCC >= 12 or
 #endif
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+
+#if defined(__AVX512F__)
+// The 16 vectors' sums, each added in sum16's order (halves, quarters, then (b0 + b2) + (b1 + b3)) but 16 at
+// once: lane 4 c + j of the result is the sum of v[4 j + c].
+__attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i)  // [v[2i] lanes 0-7 + 8-15, v[2i+1] the same]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk c: v[4i + c]'s lanes 0-3 + 4-7
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  // in each chunk c, four vectors' quarters b: (b0 + b2) + (b1 + b3)
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                 _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                 _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+#endif
 
 // v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes; stored.
 template <typename T>
