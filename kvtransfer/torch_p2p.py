@@ -183,16 +183,16 @@ class TorchP2PReceiver:
         if key not in self._refused:
             try:
                 with self.receiver.landing(request_id, layer, runs, shape, dtype) as views:
-                    if views is not None:
-                        for view in views:
-                            self.group.recv([view], source, TAG_PAYLOAD).wait()
+                    if views is not None:  # both receives posted first: gloo moves a posted one at once
+                        for work in [self.group.recv([view], source, TAG_PAYLOAD) for view in views]:
+                            work.wait()
                         self._written[key] = self._written.get(key, 0) + 2 * views[0].numel() * views[0].element_size()
                         return
             except (PieceRejected, NoReservation) as e:
                 self._refused[key] = str(e)
         keys, values = torch.empty((2, *shape), dtype=dtype)
-        self.group.recv([keys], source, TAG_PAYLOAD).wait()
-        self.group.recv([values], source, TAG_PAYLOAD).wait()
+        for work in [self.group.recv([tensor], source, TAG_PAYLOAD) for tensor in (keys, values)]:
+            work.wait()
         if key not in self._refused:
             try:
                 self._written[key] = self._written.get(key, 0) + self.receiver.write_runs(
