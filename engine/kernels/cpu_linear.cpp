@@ -271,10 +271,13 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
   const __m512 z = _mm512_setzero_ps();
   __m512 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z,  // s<weight row><x row>
       s20 = z, s21 = z, s22 = z, s23 = z, s30 = z, s31 = z, s32 = z, s33 = z;
+  // what the first rows of x prefetch into L2: side by side, the next DOT_W weight rows in step with these
+  // (one block's dot products ahead); one after another, further along the stream
+  const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(bf16)) : AHEAD_BYTES;
   // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
   const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
       __attribute__((always_inline)) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + AHEAD_BYTES, _MM_HINT_T1);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + ahead, _MM_HINT_T1);
     const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + c);
     a0 = _mm512_dpbf16_ps(a0, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c));
     if constexpr (R > 1) a1 = _mm512_dpbf16_ps(a1, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k + c));
