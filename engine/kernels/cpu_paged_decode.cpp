@@ -9,8 +9,9 @@
 // for all the query heads that share it, with rows prefetched ahead, and keeps float32 partials: scores,
 // softmax numerators and the weighted sum of values (bf16 scores on AVX512-BF16 dot products where the CPU
 // has them). The chunks of a sequence are then merged by log-sum-exp in chunk order. Chunks are fixed in
-// size, so a sequence's result does not depend on the batch it runs in or the number of threads. Shapes and dtypes are checked by the Python wrapper
-// (engine/kernels/cpu_decode.py), the block tables and lengths here: every row read lies in the cache.
+// size, so a sequence's result does not depend on the batch it runs in or the number of threads. Shapes and
+// dtypes are checked by the Python wrapper (engine/kernels/cpu_decode.py), the block tables and lengths here:
+// every row read lies in the cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
