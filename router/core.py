@@ -227,8 +227,8 @@ class RouterCore:
                                    local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
                                    max_active=self.settings.shed_active_requests)
                 except NoInstance as e:
-                    raise NoInstance(str(e) + (f" (unreachable: {', '.join(sorted(failed))})" if failed else "")) \
-                        from None
+                    unreachable = f" (unreachable: {', '.join(sorted(failed))})" if failed else ""
+                    raise NoInstance(f"{e}{unreachable}") from None
                 blocks = -(-(len(ids) + resumed) // max(chosen.decode.block_size, 1))
                 routed = self._routed.setdefault(chosen.decode.id, [0, 0])
                 routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
