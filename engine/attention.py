@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import RopeScaling
-from engine.kernels import cpu_decode, cpu_ops
+from engine.kernels import cpu_decode, cpu_ops, cpu_prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +118,19 @@ def paged_attention(
         outputs.append(od.reshape(batch, num_heads, head_dim))  # [B, Hq, D]
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
         if span.block_table is None:
-            ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
-            ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
+            ks, vs = k[rows], v[rows]  # [n, Hkv, D]
+        else:  # the cached prefix and this chunk, from the cache
+            ks = gather_blocks(k_cache, span.block_table)[: span.context_len]  # [ctx, Hkv, D]
+            vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
+        if cpu_prefill.takes(q, ks):  # the chunk is the context's last tokens: causal with an offset
+            outputs.append(cpu_prefill.prefill_attention(q[rows], ks, vs, scale, True, kv_head_map)[0])
+            continue
+        qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D inputs take the fused CPU kernel
+        ks, vs = (for_query_heads(t.transpose(0, 1)[None], kv_head_map) for t in (ks, vs))  # [1, Hkv, ctx, D]
+        if span.block_table is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = gather_blocks(k_cache, span.block_table)[: span.context_len].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
-            vs = gather_blocks(v_cache, span.block_table)[: span.context_len].transpose(0, 1)[None]
-            ks, vs = for_query_heads(ks, kv_head_map), for_query_heads(vs, kv_head_map)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

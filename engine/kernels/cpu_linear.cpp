@@ -343,29 +343,6 @@ at::Tensor linear_dot(const at::Tensor& x, const at::Tensor& weight) {
 }
 #endif
 
-// ---- which path bf16 takes ----
-
-enum class Bf16Path { fma, dot, amx };  // slowest to fastest; float32 and half always take fma
-
-// The fastest bf16 path this CPU has, or a slower one where INFERMESH_CPU_BF16 caps it (amx, dot or fma: an
-// operator's switch, and how the tests reach every path a CPU has).
-Bf16Path bf16_path() {
-  static const Bf16Path path = [] {
-    const char* setting = std::getenv("INFERMESH_CPU_BF16");
-    const std::string cap = setting && *setting ? setting : "amx";
-    TORCH_CHECK(cap == "amx" || cap == "dot" || cap == "fma", "INFERMESH_CPU_BF16 must be amx, dot or fma, got '", cap,
-                "'");
-#ifdef INFERMESH_AMX
-    if (cap == "amx" && amx_granted()) return Bf16Path::amx;
-#endif
-#ifdef INFERMESH_BF16_DOT
-    if (cap != "fma") return Bf16Path::dot;
-#endif
-    return Bf16Path::fma;
-  }();
-  return path;
-}
-
 Bf16Path linear_path_of(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? bf16_path() : Bf16Path::fma; }
 
 // The path `linear` takes in this dtype, by name.
@@ -431,6 +408,30 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 }  // namespace
+
+// ---- which path bf16 takes (cpu_vec.h) ----
+
+namespace infermesh_cpu {
+
+// (INFERMESH_CPU_BF16 = amx, dot or fma: an operator's switch, and how the tests reach every path a CPU has.)
+Bf16Path bf16_path() {
+  static const Bf16Path path = [] {
+    const char* setting = std::getenv("INFERMESH_CPU_BF16");
+    const std::string cap = setting && *setting ? setting : "amx";
+    TORCH_CHECK(cap == "amx" || cap == "dot" || cap == "fma", "INFERMESH_CPU_BF16 must be amx, dot or fma, got '", cap,
+                "'");
+#ifdef INFERMESH_AMX
+    if (cap == "amx" && amx_granted()) return Bf16Path::amx;
+#endif
+#ifdef INFERMESH_BF16_DOT
+    if (cap != "fma") return Bf16Path::dot;
+#endif
+    return Bf16Path::fma;
+  }();
+  return path;
+}
+
+}  // namespace infermesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);

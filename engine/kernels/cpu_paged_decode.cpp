@@ -31,28 +31,6 @@ using namespace infermesh_cpu;
 
 constexpr int64_t CHUNK = 256;
 
-inline float max16(f32x16 v) {
-  float m = v[0];
-  for (int j = 1; j < 16; ++j) m = std::max(m, v[j]);
-  return m;
-}
-
-// e^x for x <= 0 (scores minus their maximum), 16 at a time: Cephes' polynomial after range reduction, ~1 ulp.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 floor = x * 0 - 87.0f;
-  x = x < floor ? floor : x;
-  const i32x16 whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // round(x log2 e), x <= 0
-  const f32x16 n = __builtin_convertvector(whole, f32x16);
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * (f32x16)((whole + 127) << 23);
-}
-
 // scores [n], in a buffer of whole 16-lane vectors -> e^(score - max) in place (0 past n); returns (max,
 // their sum).
 inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {

@@ -93,6 +93,32 @@ __attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
 }
 #endif
 
+inline float max16(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int j = 1; j < 16; ++j) m = std::max(m, v[j]);
+  return m;
+#endif
+}
+
+// e^x for x <= 0 (scores minus their maximum), 16 at a time: Cephes' polynomial after range reduction, ~1 ulp.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 floor = x * 0 - 87.0f;
+  x = x < floor ? floor : x;
+  const i32x16 whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // round(x log2 e), x <= 0
+  const f32x16 n = __builtin_convertvector(whole, f32x16);
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * (f32x16)((whole + 127) << 23);
+}
+
 // v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes; stored.
 template <typename T>
 inline f32x16 rounded(f32x16 v) {
@@ -134,5 +160,10 @@ void parallel_for(int64_t n, const F& f) {
     if (begin < n) f(begin, std::min(n, begin + per));
   }
 }
+
+// Which path bf16 products take (cpu_linear.cpp): the fastest this CPU has, or a slower one where
+// INFERMESH_CPU_BF16 caps it. Float32 and half always take fma.
+enum class Bf16Path { fma, dot, amx };  // slowest to fastest
+Bf16Path bf16_path();
 
 }  // namespace infermesh_cpu
