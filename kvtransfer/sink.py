@@ -40,7 +40,7 @@ class PlanSink:
                    stripe: KVStripe) -> None:
         if self.pieces is None:
             for sender in self.senders:
-                sender.open()
+                sender.open(self.last_layer)  # each layer goes with the same runs
             table = tuple(block_table[: -(-self.num_tokens // self.block_size)])
             runs = stripe_runs(table, 0, self.num_tokens, self.block_size, stripe.size)[stripe.rank]
             try:  # this rank's tokens, addressed in its own cache (a foreign block's local id is never read)

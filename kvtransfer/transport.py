@@ -220,11 +220,15 @@ class KVSender(abc.ABC):
         self._started = 0.0
         self._error: TransferError | None = None
         self._layer: int | None = None
+        self.last_layer: int | None = None  # see open()
         self._pending: list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]] = []  # (runs, keys, values)
 
-    def open(self) -> None:
+    def open(self, last_layer: int | None = None) -> None:
         """Called by the sink on every source rank before its first layer, whether the rank has pieces or not
-        (a transport that forms a group needs every rank there). A failure leaves the sender FAILED."""
+        (a transport that forms a group needs every rank there). `last_layer`: the push sends every layer from
+        its first through this one, each with the same runs (a transport may tell the receiver up front). A
+        failure leaves the sender FAILED."""
+        self.last_layer = last_layer
         try:
             self._open()
         except Exception as e:

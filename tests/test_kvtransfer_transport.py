@@ -601,7 +601,7 @@ def p2p_dying_sender_worker(rank: int, port: int, results, die) -> None:
     group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
     if rank == 0:
         header = _header("r", [(16, 4)])
-        group.send([torch.tensor([Kind.DATA, 0, 0, header.numel(), DTYPE_CODES[torch.float32], 4, 3, 8])], 1,
+        group.send([torch.tensor([Kind.DATA, 0, 0, header.numel(), DTYPE_CODES[torch.float32], 4, 3, 8, 0])], 1,
                    TAG_DESCRIPTOR).wait()
         group.send([header], 1, TAG_HEADER).wait()
         die.wait(60)
