@@ -497,6 +497,76 @@ def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change
     assert results.get() == results.get() == 2 * 2 * 2 * 8 * 3 * 4 * 4  # requests x layers x k/v x rows x fp32
 
 
+def p2p_announced_worker(rank: int, port: int, results) -> None:
+    """Rank 0 pushes two prompts through `PlanSink`s whose layers interleave on one group, each announcing its
+    three layers up front (one lands in decode's cache, one is buffered: its blocks are not in a row); then a
+    push whose second layer breaks the run it announced; then one more push. Rank 1 receives them all."""
+    from engine.parallel.groups import rendezvous, stateless_group
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    layers, tokens, shape = 3, 40, (8, 16, 3, 4)  # 40 tokens: blocks 0-2 of the prefill cache
+    truth = torch.randn(2, layers, 2, *shape, generator=torch.Generator().manual_seed(5))  # [prompt, layer, k/v]
+    tables = {"in-a-row": (4, 5, 6), "scattered": (7, 1, 3), "broken": (4, 5, 6), "after": (4, 5, 6)}
+    if rank == 0:
+        def sink(rid: str) -> PlanSink:
+            target = DecodeLayout(head_ranges=((0, 3),), block_size=16, block_table=tables[rid])
+            return PlanSink(num_tokens=tokens, num_kv_heads=3, block_size=16, num_layers=layers, target=target,
+                            senders=[TorchP2PSender(group, rid, 1)])
+
+        sinks = [sink("in-a-row"), sink("scattered")]
+        for layer in range(layers):
+            for prompt, s in enumerate(sinks):
+                s.push_layer(layer, *truth[prompt, layer], (0, 1, 2), KVStripe())
+        outcomes = [s.finish().bytes for s in sinks]
+        sender = TorchP2PSender(group, "broken", 1)
+        sender.open(last_layer=2)
+        rows = truth[0, 0, 0].view(-1, 3, 4)
+        sender.send_runs(0, [(64, 40)], rows[:40], rows[:40])
+        sender.send_runs(1, [(64, 20), (84, 20)], rows[:40], rows[:40])  # the same rows, other runs: a new run
+        try:
+            outcomes.append(sender.finish().bytes)
+        except TransferError as e:
+            outcomes.append(str(e))
+        after = sink("after")
+        for layer in range(layers):
+            after.push_layer(layer, *truth[1, layer], (0, 1, 2), KVStripe())
+        outcomes.append(after.finish().bytes)
+        results.put(outcomes)
+    else:
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(layers)]
+        writer = KVReceiver(kv, tables.get, on_landed=lambda rid: None)
+        receiver = TorchP2PReceiver(group, writer)
+        assert receiver.wait_for([(0, "in-a-row"), (0, "scattered")], timeout_s=60)
+        exact = all(torch.equal(kv[layer][which].view(-1, 3, 4)[run_rows([(b * 16, 16) for b in table])][:tokens],
+                                truth[prompt, layer, which].view(-1, 3, 4)[:tokens])
+                    for prompt, table in enumerate((tables["in-a-row"], tables["scattered"]))
+                    for layer in range(layers) for which in range(2))
+        assert receiver.wait_for([(0, "after")], timeout_s=60)
+        exact_after = all(torch.equal(kv[layer][which].view(-1, 3, 4)[64:64 + tokens],
+                                      truth[1, layer, which].view(-1, 3, 4)[:tokens])
+                          for layer in range(layers) for which in range(2))
+        with writer.lock:
+            open_landings = sum(writer.landings(rid) for rid in tables)
+        results.put((exact, exact_after, open_landings, len(receiver._streams)))
+    group.barrier().wait()
+
+
+def test_torch_p2p_announced_layers_land_or_buffer_exactly_and_a_broken_run_is_refused_without_a_trace():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_announced_worker, args=(free_port(), results), nprocs=2)
+    first, second = results.get(), results.get()
+    sent, received = (first, second) if isinstance(first, list) else (second, first)
+    layer_bytes = 2 * 40 * 3 * 4 * 4  # k/v x tokens x heads x dim x fp32
+    assert sent[:2] == [3 * layer_bytes] * 2 and sent[3] == 3 * layer_bytes
+    assert "refused KV of 'broken'" in sent[2] and "cut an announced run of layers short" in sent[2]
+    assert received == (True, True, 0, 0)  # bit for bit; nothing left landing or held by the receiver
+
+
 def p2p_dead_receiver_worker(rank: int, port: int, results) -> None:
     """Rank 1 dies after the first message it takes in; rank 0 keeps pushing layers (their sends in flight)."""
     import time
