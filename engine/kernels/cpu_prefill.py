@@ -25,8 +25,13 @@ def takes(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the engine attends these inputs with the kernel: bf16 where the CPU has its dot products (there
     2.3x torch's SDPA at 2,048 tokens, bench/RESULTS.md); elsewhere torch's SDPA, not slower (float32: 39.5
     against the kernel's 48 ms; AMX CPUs, where torch's own kernel takes AMX tiles: not measured)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] in HEAD_DIMS and cpu_ops.takes(q, k)
-            and cpu_ops.ops().linear_path(torch.bfloat16) == "dot")
+    return q.dtype == torch.bfloat16 and q.shape[-1] in HEAD_DIMS and cpu_ops.takes(q, k) and _bf16_dot()
+
+
+@functools.cache
+def _bf16_dot() -> bool:
+    """Whether bf16 products take AVX512-BF16 dot products here (not AMX tiles, not float32 FMAs)."""
+    return cpu_ops.ops().linear_path(torch.bfloat16) == "dot"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,

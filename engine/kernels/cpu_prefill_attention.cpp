@@ -68,8 +68,8 @@ inline f32x16 exp_for_bf16(f32x16 x) {
 #endif
 
 // Per query row: s [KB] scores (float32, scaled), of which the first `valid` are visible. Updates the row's
-// running max and its 16 partial sums (added up once, at the end), returns the factor its value sums must be scaled by, and leaves e^(s - max) in s
-// (0 past valid). BF16: the weights go on as bf16.
+// running max and its 16 partial sums (added up once, at the end), returns the factor its value sums must be
+// scaled by, and leaves e^(s - max) in s (0 past valid). BF16: the weights go on as bf16.
 template <bool BF16>
 inline float softmax_block(float* s, int64_t valid, float& row_max, float* row_sums) {
   if (valid <= 0) {
@@ -300,7 +300,8 @@ void attend_item(const Problem& pb, const T* q, int64_t q_stride, int64_t h, int
       if constexpr (DOT) {  // the weights as bf16 pairs
         uint32_t* p = w.p_pairs.data() + i * KB / 2;
         for (int64_t j = 0; j < KB; j += 32)
-          _mm512_storeu_si512(p + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
+          _mm512_storeu_si512(p + j / 2,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
       }
 #endif
     }
@@ -385,7 +386,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
                                                      const at::Tensor& kv_head, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [n, Hq, D] and k, v [m, Hkv, D], got ",
               q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(), "q, k and v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "q, k and v must share a dtype");
   TORCH_CHECK(k.stride(0) == v.stride(0), "k and v must share a row stride");
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "each row's heads must be dense, got strides ",
