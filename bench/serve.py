@@ -6,7 +6,7 @@ short chat turns and long documents, on three layouts started with `infermesh up
     cp2            a CP=2 prefill instance and a decode one      (--prefill 1 --prefill-cp 2)
 
     python bench/serve.py [--rate 0.5] [--requests 40] [--seed 0] [--slo-ttft 5] [--slo-tpot 0.25]
-                          [--cpus split] [--plot bench/serve.png] [--quick]
+                          [--cpus split] [--max-num-batched-tokens 2048] [--plot bench/serve.png] [--quick]
 
 Per layout: TTFT and TPOT p50/p99 (seen by the client: first streamed token; the gaps after it), output
 tokens/s over the run, goodput (requests/s that met both SLOs) and the requests that failed, by status
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--cpus", default="split", choices=["split", "shared"], help="infermesh up --cpus")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="infermesh up's: a step's tokens")
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT and TPOT per layout")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 small requests, two layouts")
     args = parser.parse_args()
@@ -122,7 +123,8 @@ def main() -> None:
         args.layouts = ["colocated", "disaggregated"]
     requests = workload(args.requests, args.rate, args.seed, args.document_share, args.document_tokens)
     documents = sum(len(r.prompt) == args.document_tokens for r in requests)
-    results = {name: run_layout([*LAYOUTS[name], "--cpus", args.cpus], requests, args.dtype) for name in args.layouts}
+    up = ["--cpus", args.cpus, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    results = {name: run_layout([*LAYOUTS[name], *up], requests, args.dtype) for name in args.layouts}
     print(f"\n{len(requests)} requests ({documents} documents of {args.document_tokens} tokens, the rest chat turns), "
           f"Poisson {args.rate}/s, seed {args.seed}; SLO: TTFT <= {args.slo_ttft} s, TPOT <= {args.slo_tpot} s\n")
     print("| layout | TTFT p50 s | TTFT p99 s | TPOT p50 s | TPOT p99 s | output tok/s | goodput req/s | failed |")

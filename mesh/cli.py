@@ -195,6 +195,9 @@ def up(
                                          help="Off: faster CPU decode at 1-8 streams on CPUs without AMX or "
                                               "AVX512-BF16; a row's result then depends on whether its batch has "
                                               "more than 8 (engine/model.py, Linear)."),
+    max_num_batched_tokens: int = typer.Option(
+        2048, help="Tokens an engine step takes (prompt chunks and decode rows): smaller chunks a long prompt's "
+                   "prefill, so streams decoding beside it wait less per step, and it takes longer."),
     cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
                                            "(by ranks); shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
@@ -206,7 +209,7 @@ def up(
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
                 metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
-                admin_token=admin_token)
+                max_num_batched_tokens=max_num_batched_tokens, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():

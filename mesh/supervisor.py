@@ -67,6 +67,7 @@ class MeshSpec:
     quantization: str = "none"  # or int8 (prefill and decode weights)
     batch_invariant: bool = True  # false: the few-row CPU kernel on prefill and decode (engine/model.py, Linear)
     kv_cache_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048  # tokens an engine step takes: prompt chunks and decode rows
     cpus: str = "split"  # split: each engine instance its own share of this host's cores (engine.cpus); shared
     startup_timeout_s: float = 300.0
     admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
@@ -126,7 +127,8 @@ class Supervisor:
         common = ["--model", s.model, "--registry", self.registry_address, "--trace", s.trace, "--metrics",
                   s.metrics, "--host", s.host]
         engine = ["--dtype", s.dtype, "--quantization", s.quantization, "--kv-cache-bytes", str(s.kv_cache_bytes),
-                  "--batch-invariant", str(s.batch_invariant).lower()]
+                  "--batch-invariant", str(s.batch_invariant).lower(),
+                  "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         shared = ["--shared-kv-cache", "true"] if s.kv_transport == "shared_memory" else []  # decode reads it in place
         self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)] + shared),
                           Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}

@@ -105,6 +105,8 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
     args = ["--registry", request.getfixturevalue("redis_url")] if registry == "redis" else []
     args += ["--prefill-cp", "2", "--decode-tp", "2",  # the heterogeneous layout: CP prefill pushes to TP decode
              "--kv-transport", transport, "--trace", f"file:{spans_file}"]
+    if transport == "shared_memory":  # steps of 48 tokens: the longer prompts prefill in chunks on either instance
+        args += ["--max-num-batched-tokens", "48"]
     proc, address = start_mesh(str(folder), *args)
     status = json.loads(cli("status", "--target", address, "--json").stdout)
     pids = [i["pid"] for i in status["instances"] if i["role"] != "supervisor"]
@@ -121,6 +123,8 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert cores_of(pid["router"]) == set(available_cores())  # not an engine: it runs where it may
         if transport == "shared_memory":  # prefill's ranks hold their KV caches in /dev/shm for decode to read
             assert all(shm_bytes(p) > 1 << 20 for p in [pid["prefill"], *descendants(pid["prefill"])])
+            assert all(b"--max-num-batched-tokens\x0048\x00" in Path(f"/proc/{pid[role]}/cmdline").read_bytes()
+                       for role in ("prefill", "decode"))
             assert not any(shm_bytes(p) for p in [pid["decode"], *descendants(pid["decode"])])
         reference = LLM(str(folder), dtype="float32")
         prompt = "the quick brown fox jumps over the lazy dog " * 8  # disaggregated
