@@ -28,7 +28,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
     if kv_head_map is None:
-        kv_head_map = _groups(num_heads, num_kv_heads)
+        kv_head_map = gqa_heads(num_heads, num_kv_heads)
     elif kv_head_map.shape != (num_heads,) or not 0 <= kv_head_map.min() <= kv_head_map.max() < num_kv_heads:
         raise ValueError(f"kv_head_map must give each of {num_heads} query heads a KV head in [0, {num_kv_heads})")
     return ops().paged_decode(q.contiguous(), k_cache, v_cache, block_tables.long().contiguous(),
@@ -36,6 +36,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @functools.cache
-def _groups(num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def gqa_heads(num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Plain GQA: query head h reads KV head h // (Hq / Hkv)."""
     return torch.arange(num_heads) // (num_heads // num_kv_heads)

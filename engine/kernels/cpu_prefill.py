@@ -17,6 +17,7 @@ import functools
 import torch
 
 from engine.kernels import cpu_ops
+from engine.kernels.cpu_decode import gqa_heads
 
 HEAD_DIMS = (16, 32, 64, 128)
 
@@ -40,7 +41,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if kv_head_map is None:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-        kv_head_map = _groups(num_heads, num_kv_heads)
+        kv_head_map = gqa_heads(num_heads, num_kv_heads)
     q, k, v = (_dense_rows(t) for t in (q, k, v))
     if k.stride(0) != v.stride(0):
         k, v = k.contiguous(), v.contiguous()
@@ -50,9 +51,3 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """t [rows, H, D] with each row's heads dense (any row stride: a view of a fused projection is fine)."""
     return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
-
-
-@functools.cache
-def _groups(num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Plain GQA: query head h reads KV head h // (Hq / Hkv)."""
-    return torch.arange(num_heads) // (num_heads // num_kv_heads)
