@@ -255,7 +255,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define INFERMESH_BF16_DOT 1
 constexpr int DOT_W = 4, DOT_X = 4;  // weight rows x rows of x summed together, in 16 registers
-constexpr int64_t DOT_READ_BOUND_ROWS = 8;  // up to this many rows of x, weight rows are read one after another
+constexpr int64_t DOT_READ_BOUND_ROWS = 3;  // up to this many rows of x, weight rows are read one after another
 
 // y[r * n + g] for DOT_W weight rows (G of them real) and R rows of x (row stride k): each (weight row, x row)
 // sums 16 float32 lanes, lane j taking the pairs at k = 32 c + 2 j over steps c in order (VDPBF16PS), the
@@ -271,8 +271,9 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
   const __m512 z = _mm512_setzero_ps();
   __m512 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z,  // s<weight row><x row>
       s20 = z, s21 = z, s22 = z, s23 = z, s30 = z, s31 = z, s32 = z, s33 = z;
-  // what the first rows of x prefetch into L2: side by side, the next DOT_W weight rows in step with these
-  // (one block's dot products ahead); one after another, further along the stream
+  // what a prefetching block fetches: side by side, the next DOT_W weight rows in step with these (one block's
+  // dot products ahead, asked for by every group of x rows: asked once, weights from memory took 10-37 % longer
+  // than from cache); one after another, further along the stream
   const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(bf16)) : AHEAD_BYTES;
   // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
   const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
@@ -316,11 +317,12 @@ void dot_rows_of(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_
   for (int64_t r = 0; r < m; r += DOT_X) {
     const bf16* xr = x + r * k;
     bf16* yr = y + r * n;
-    switch (std::min<int64_t>(DOT_X, m - r)) {  // the weight rows come from memory with the first rows of x
-      case 1: dot_block<1, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
-      case 2: dot_block<2, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
-      case 3: dot_block<3, Interleaved>(w, stride, G, xr, k, yr, n, r == 0); break;
-      default: dot_block<4, Interleaved>(w, stride, G, xr, k, yr, n, r == 0);
+    const bool prefetch = Interleaved || r == 0;  // one after another, the first rows of x stream the weights
+    switch (std::min<int64_t>(DOT_X, m - r)) {
+      case 1: dot_block<1, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
+      case 2: dot_block<2, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
+      case 3: dot_block<3, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
+      default: dot_block<4, Interleaved>(w, stride, G, xr, k, yr, n, prefetch);
     }
   }
 }
