@@ -3,8 +3,8 @@ next to transformers, same run.
 
     python bench/engine.py [--quick] [--out bench/RESULTS.md]
 
-Measures batch-1 decode tokens/s, batch-32 decode tokens/s and the prefill tokens/s
-of one 2048-token prompt. Decode rates exclude the prefill: they time steps after
+Measures decode tokens/s at batch 1, 16 and 32 (the goal: infermesh at 32 against transformers at 16)
+and the prefill tokens/s of one 2048-token prompt. Decode rates exclude the prefill: they time steps after
 every sequence has its first token. Prints a markdown table; --out appends it.
 """
 
@@ -29,14 +29,14 @@ from engine.weights import load_checkpoint  # noqa: E402
 PROMPT_TOKENS = [504, 3575, 282, 4649, 314]  # any short prompt; decode cost barely depends on it
 
 
-def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int, quantization: str = "none",
-                    batch_invariant: bool = True) -> dict[str, float]:
+def infermesh_rates(dtype: str, batches: tuple[int, ...], decode_steps: int, prefill_len: int,
+                    quantization: str = "none", batch_invariant: bool = True) -> dict[str, float]:
     core = EngineCore(load_checkpoint("smollm2-135m", getattr(torch, dtype)),
                       EngineConfig(dtype=dtype, max_num_batched_tokens=max(2048, prefill_len),
                                    quantization=quantization, batch_invariant=batch_invariant))
     greedy = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     rates = {}
-    for b in (1, batch):
+    for b in batches:
         for i in range(b):
             core.add_request(f"b{b}-{i}", PROMPT_TOKENS + [i % 100], greedy)
         core.step()  # all prefills fit one step
@@ -53,14 +53,15 @@ def infermesh_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int,
     return rates
 
 
-def transformers_rates(dtype: str, batch: int, decode_steps: int, prefill_len: int) -> dict[str, float]:
+def transformers_rates(dtype: str, batches: tuple[int, ...], decode_steps: int,
+                       prefill_len: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
     rates = {}
     with torch.inference_mode():
-        for b in (1, batch):
+        for b in batches:
             ids = torch.tensor([PROMPT_TOKENS + [i % 100] for i in range(b)])
             kwargs = dict(do_sample=False, pad_token_id=2, eos_token_id=None)
             start = time.perf_counter()
@@ -81,20 +82,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    batch, steps, prefill = (4, 4, 128) if args.quick else (32, 32, 2048)
+    batches, steps, prefill = ((1, 2, 4), 4, 128) if args.quick else ((1, 16, 32), 32, 2048)
     rows = []
     runs = [("infermesh", "float32", infermesh_rates, {}), ("infermesh", "bfloat16", infermesh_rates, {}),
             ("infermesh", "bfloat16, not batch-invariant", infermesh_rates, {"batch_invariant": False}),
             ("infermesh", "bfloat16, int8 weights", infermesh_rates, {"quantization": "int8"}),
             ("transformers", "float32", transformers_rates, {}), ("transformers", "bfloat16", transformers_rates, {})]
     for name, label, fn, options in runs:
-        r = fn(label.split(",")[0], batch, steps, prefill, **options)
-        rows.append(f"| {name} | {label} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} | {r['prefill']:.0f} |")
+        r = fn(label.split(",")[0], batches, steps, prefill, **options)
+        decode = " | ".join(f"{r[f'decode_b{b}']:.1f}" for b in batches)
+        rows.append(f"| {name} | {label} | {decode} | {r['prefill']:.0f} |")
         print(rows[-1], flush=True)
     header = (
         f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
-        f"| engine | dtype | decode b1 tok/s | decode b{batch} tok/s | prefill {prefill} tok/s |\n|---|---|---|---|---|"
+        f"| engine | dtype | {' | '.join(f'decode b{b} tok/s' for b in batches)} | prefill {prefill} tok/s |\n"
+        f"|---|---|{'---|' * len(batches)}---|"
     )
     table = header + "\n" + "\n".join(rows) + "\n"
     print(table)

@@ -8,6 +8,9 @@ dependency of ours) runs the bundled GGUF as shipped, Q4_1 weights, on every cor
 the same file to bf16, and to int8 weights with `quantization="int8"`. Measured one after the other:
 - batch-1 decode tokens/s: llama.cpp times `eval` of one token after a 6-token prompt (logits computed,
   no sampling); infermesh times engine steps of one greedy sequence (sampling included);
+- batch-32 decode tokens/s: llama.cpp decodes one token of each of 32 sequences per `llama_decode` (its
+  batched API, what `llama-server` runs for 32 streams; logits computed, no sampling); infermesh times
+  engine steps of 32 greedy sequences;
 - prefill tokens/s of one 2,048-token prompt.
 Prints a markdown table.
 """
@@ -36,18 +39,41 @@ CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
 
 LLAMA_CPP_RATES = """
 import json, os, sys, time
+import llama_cpp as L
 from llama_cpp import Llama
-path, steps, prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, steps, prefill, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+PROMPT = [504, 3575, 282, 4649, 314]
 llm = Llama(model_path=path, n_ctx=max(512, prefill + 8), n_batch=prefill, n_threads=os.cpu_count(), verbose=False)
-llm.eval([504, 3575, 282, 4649, 314, 28])
+llm.eval(PROMPT + [28])
 start = time.perf_counter()
 for _ in range(steps):
     llm.eval([28])
-decode = steps / (time.perf_counter() - start)
+rates = {"decode_b1": steps / (time.perf_counter() - start)}
 llm.reset()
 start = time.perf_counter()
 llm.eval([(7 * i) % 40000 + 100 for i in range(prefill)])
-print(json.dumps({"decode_b1": decode, "prefill": prefill / (time.perf_counter() - start)}))
+rates["prefill"] = prefill / (time.perf_counter() - start)
+
+params = L.llama_context_default_params()  # `batch` sequences side by side, as llama-server holds its slots
+params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = batch * 256, 512, 512, batch
+params.n_threads = params.n_threads_batch = os.cpu_count()
+ctx = L.llama_init_from_model(llm.model, params)
+tokens = L.llama_batch_init(512, 0, 1)
+
+def decode(entries):  # (token, position, sequence, logits wanted) each
+    tokens.n_tokens = len(entries)
+    for i, (token, position, sequence, logits) in enumerate(entries):
+        tokens.token[i], tokens.pos[i], tokens.n_seq_id[i], tokens.logits[i] = token, position, 1, logits
+        tokens.seq_id[i][0] = sequence
+    assert L.llama_decode(ctx, tokens) == 0
+
+decode([(t, p, s, p == len(PROMPT)) for s in range(batch) for p, t in enumerate(PROMPT + [s % 100])])
+start = time.perf_counter()
+for step in range(steps):
+    decode([(28, len(PROMPT) + 1 + step, s, True) for s in range(batch)])
+L.llama_synchronize(ctx)
+rates[f"decode_b{batch}"] = batch * steps / (time.perf_counter() - start)
+print(json.dumps(rates))
 """
 
 
@@ -57,9 +83,9 @@ def install() -> None:
                    env=os.environ | {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count()), "CMAKE_ARGS": CMAKE_ARGS})
 
 
-def llama_cpp_rates(python: str, steps: int, prefill: int) -> dict[str, float]:
-    out = subprocess.run([python, "-c", LLAMA_CPP_RATES, str(resolve_model("smollm2-135m")), str(steps), str(prefill)],
-                         check=True, capture_output=True, text=True)
+def llama_cpp_rates(python: str, steps: int, prefill: int, batch: int) -> dict[str, float]:
+    out = subprocess.run([python, "-c", LLAMA_CPP_RATES, str(resolve_model("smollm2-135m")), str(steps), str(prefill),
+                          str(batch)], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -72,15 +98,16 @@ def main() -> None:
     if args.install:
         install()
         return
-    steps, prefill = (4, 128) if args.quick else (64, 2048)
-    rows = [("llama.cpp (llama-cpp-python)", "Q4_1 as shipped", llama_cpp_rates(args.python, steps, prefill))]
+    steps, prefill, batch = (4, 128, 4) if args.quick else (64, 2048, 32)
+    rows = [("llama.cpp (llama-cpp-python)", "Q4_1 as shipped", llama_cpp_rates(args.python, steps, prefill, batch))]
     for label, quantization in (("bfloat16", "none"), ("int8 weights, bf16 activations", "int8")):
-        r = infermesh_rates("bfloat16", 1, steps, prefill, quantization=quantization)
+        r = infermesh_rates("bfloat16", (1, batch), steps, prefill, quantization=quantization)
         rows.append(("infermesh engine", label, r))
     print(f"\n{os.cpu_count()} cores, {steps} decode steps\n")
-    print(f"| engine | weights | decode b1 tok/s | prefill {prefill} tok/s |\n|---|---|---|---|")
+    print(f"| engine | weights | decode b1 tok/s | decode b{batch} tok/s | prefill {prefill} tok/s |\n"
+          "|---|---|---|---|---|")
     for name, weights, r in rows:
-        print(f"| {name} | {weights} | {r['decode_b1']:.1f} | {r['prefill']:.0f} |")
+        print(f"| {name} | {weights} | {r['decode_b1']:.1f} | {r[f'decode_b{batch}']:.1f} | {r['prefill']:.0f} |")
 
 
 if __name__ == "__main__":
