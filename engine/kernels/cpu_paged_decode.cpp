@@ -4,11 +4,12 @@
 //                             block_tables [B, max_blocks] int64, context_lens [B] int32,
 //                             kv_head [Hq] int64, scale) -> [B, Hq, D]
 //
-// Work items are (sequence, chunk of CHUNK tokens), spread over torch's intra-op threads. Each item walks
-// its tokens through the block table (no gather of the context), reads each KV head's part of a row once
-// for all the query heads that share it, with rows prefetched ahead, and keeps float32 partials: scores,
-// softmax numerators and the weighted sum of values (bf16 scores on AVX512-BF16 dot products where the CPU
-// has them). The chunks of a sequence are then merged by log-sum-exp in chunk order. Chunks are fixed in
+// Work items are (sequence, chunk of CHUNK tokens), spread over torch's intra-op threads (a batch of short
+// contexts runs on the calling thread: PARALLEL_MIN_ROWS). Each item walks its tokens through the block
+// table (no gather of the context), reads each KV head's part of a row once for all the query heads that
+// share it, with rows prefetched ahead, and keeps float32 partials: scores, softmax numerators and the
+// weighted sum of values (bf16 scores on AVX512-BF16 dot products where the CPU has them). The chunks of a
+// sequence are then merged by log-sum-exp in chunk order (a sequence of one chunk by its item). Chunks are fixed in
 // size, so a sequence's result does not depend on the batch it runs in or the number of threads. Shapes and
 // dtypes are checked by the Python wrapper (engine/kernels/cpu_decode.py), the block tables and lengths here:
 // every row read lies in the cache.
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -237,6 +239,10 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int6
   }
 }
 
+// Context rows (summed over the batch) below which the calling thread attends them all: a parallel region's
+// start and end cost more than it saves (32 x 30 rows: 57 us on one thread, 64 on two).
+constexpr int64_t PARALLEL_MIN_ROWS = 2048;
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& lens, const at::Tensor& kv_heads, double scale, at::Tensor& out) {
@@ -246,6 +252,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int32_t* len = lens.data_ptr<int32_t>();
   std::vector<int64_t> first_item(batch + 1, 0);  // the work items of sequence b: [first_item[b], first_item[b + 1])
   const int64_t* tp = tables.data_ptr<int64_t>();
+  int64_t context_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {  // every row read lies in the cache
     TORCH_CHECK(len[b] >= 1 && len[b] <= max_blocks * s.block_size, "context_lens[", b, "] = ", len[b],
                 " must be in [1, ", max_blocks * s.block_size, "]");
@@ -253,51 +260,63 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       TORCH_CHECK(tp[b * max_blocks + i] >= 0 && tp[b * max_blocks + i] < k_cache.size(0), "block_tables[", b, ", ",
                   i, "] = ", tp[b * max_blocks + i], " is not a block of the cache");
     first_item[b + 1] = first_item[b] + (len[b] + CHUNK - 1) / CHUNK;
+    context_rows += len[b];
   }
   const int64_t items = first_item[batch], HD = heads * s.head_dim;
 
-  at::Tensor qf = q.to(at::kFloat);  // [B, Hq, D]
-  std::vector<float> acc(items * HD), row_max(items * heads), row_sum(items * heads);
-  const float* qp = qf.data_ptr<float>();
+  // every item writes its whole part of these (no zeroing needed)
+  std::unique_ptr<float[]> acc(new float[items * HD]), row_max(new float[items * heads]),
+      row_sum(new float[items * heads]);
+  const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t* hp = kv_heads.data_ptr<int64_t>();
   const auto passes = head_passes(hp, heads, s.head_dim);
   const int64_t widest = std::max_element(passes.begin(), passes.end(), [](const auto& a, const auto& b) {
                            return a.size() < b.size();
                          })->size();
-
-  parallel_for(items, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(widest * CHUNK);
-    std::vector<int64_t> rows(CHUNK);
-    int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
-    for (int64_t item = begin; item < end; ++item) {
-      while (item >= first_item[b + 1]) ++b;
-      const int64_t first = (item - first_item[b]) * CHUNK, last = std::min<int64_t>(first + CHUNK, len[b]);
-      attend_chunk(qp + b * HD, kp, vp, tp + b * max_blocks, first, last, passes, hp, static_cast<float>(scale),
-                   s, rows.data(), scores.data(), acc.data() + item * HD, row_max.data() + item * heads,
-                   row_sum.data() + item * heads);
-    }
-  });
-
-  // each sequence's chunks merged by log-sum-exp in chunk order: little work, on this thread
-  T* op = out.data_ptr<T>();
-  std::vector<float> merged(s.head_dim);
-  for (int64_t b = 0; b < batch; ++b) {
+  // a sequence's output from its chunks' partials, merged by log-sum-exp in chunk order (one chunk: divided by
+  // its sum, the same bits as the merge gives it)
+  const auto finish = [&](int64_t b, float* merged) {
     for (int64_t h = 0; h < heads; ++h) {
       float m = row_max[first_item[b] * heads + h];
       for (int64_t i = first_item[b] + 1; i < first_item[b + 1]; ++i) m = std::max(m, row_max[i * heads + h]);
       float total = 0.f;
-      std::fill(merged.begin(), merged.end(), 0.f);
+      std::fill(merged, merged + s.head_dim, 0.f);
       for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
         const float w = std::exp(row_max[i * heads + h] - m);
         total += w * row_sum[i * heads + h];
-        const float* ah = acc.data() + i * HD + h * s.head_dim;
+        const float* ah = acc.get() + i * HD + h * s.head_dim;
         for (int64_t d = 0; d < s.head_dim; ++d) merged[d] += w * ah[d];
       }
       for (int64_t d = 0; d < s.head_dim; ++d) op[b * HD + h * s.head_dim + d] = static_cast<T>(merged[d] / total);
     }
-  }
+  };
+
+  const auto attend_items = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(widest * CHUNK), qf(HD), merged(s.head_dim);
+    std::vector<int64_t> rows(CHUNK);
+    int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1, had = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first_item[b + 1]) ++b;
+      if (b != had) {  // this sequence's query in float32
+        for (int64_t i = 0; i < HD; ++i) qf[i] = to_float(qp[b * HD + i]);
+        had = b;
+      }
+      const int64_t first = (item - first_item[b]) * CHUNK, last = std::min<int64_t>(first + CHUNK, len[b]);
+      attend_chunk(qf.data(), kp, vp, tp + b * max_blocks, first, last, passes, hp, static_cast<float>(scale), s,
+                   rows.data(), scores.data(), acc.get() + item * HD, row_max.get() + item * heads,
+                   row_sum.get() + item * heads);
+      if (first_item[b + 1] - first_item[b] == 1) finish(b, merged.data());  // one chunk: done here
+    }
+  };
+  if (context_rows < PARALLEL_MIN_ROWS) attend_items(0, items);
+  else parallel_for(items, attend_items);
+
+  std::vector<float> merged(s.head_dim);  // sequences of several chunks, on this thread: little work
+  for (int64_t b = 0; b < batch; ++b)
+    if (first_item[b + 1] - first_item[b] > 1) finish(b, merged.data());
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
