@@ -9,14 +9,17 @@ weights, and it is the same on every parallel layout (quantize first, then shard
 keeps its rows' scales, a column-parallel shard takes its rows' scales along).
 
 Why: decode at small batch reads every weight once per token, so it is bound by memory bandwidth; int8
-halves the bytes of bf16. On CPU, up to `PACKED_MAX_ROWS` rows take the int8 few-row kernel
-(engine/kernels/cpu_linear.cpp, `linear_int8`: one summation order for any batch up to 16; torch's
-`_weight_int8pack_mm` where the kernels are not built); larger batches (and other devices) convert the
-weight to the activations' dtype each call, which costs more than bf16 weights would: int8 is the latency
-option for few streams, not the throughput one.
+halves the bytes of bf16. On CPU the int8 kernel (engine/kernels/cpu_linear.cpp, `linear_int8`: one
+summation order for any batch it takes) takes up to `kernel_rows(dtype)` rows: 64 of bf16 where the CPU has
+AVX512-BF16 (the weights converted to bf16 exactly and summed as bf16 weights are: as fast as bf16 weights
+from 4 rows up, faster below), 16 elsewhere (float32 FMAs; torch's `_weight_int8pack_mm` where the kernels
+are not built). Larger batches (and other devices) convert the weight to the activations' dtype each call,
+which costs more than bf16 weights would.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,17 @@ from torch import nn
 from engine.kernels import cpu_ops
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-PACKED_MAX_ROWS = 16  # the int8 kernel beats converting the weight up to here (bench/RESULTS.md, "int8")
+PACKED_MAX_ROWS = 16  # torch's int8 kernel beats converting the weight up to here (bench/RESULTS.md, "int8")
+
+
+@functools.cache
+def _kernel_rows(dtype: torch.dtype) -> int:
+    return cpu_ops.ops().linear_int8_rows(dtype)
+
+
+def kernel_rows(dtype: torch.dtype) -> int:
+    """How many rows of activations in `dtype` an int8 layer multiplies through an int8 kernel on CPU."""
+    return _kernel_rows(dtype) if cpu_ops.available() else PACKED_MAX_ROWS
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +68,7 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
-        if x.device.type == "cpu" and x.shape[0] <= PACKED_MAX_ROWS:
+        if x.device.type == "cpu" and x.shape[0] <= kernel_rows(x.dtype):
             if x.shape[0] and cpu_ops.takes(x, self.scale):  # (a step may sample no rows: [0, in])
                 out = cpu_ops.ops().linear_int8(x, self.weight, self.scale)
             else:

@@ -392,39 +392,62 @@ def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
         ops.linear(torch.randn(2, 6), w.t())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_int8_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
+def check_int8_linear(ops, dtype) -> None:
     """int8 weights with one scale per row (engine/quantize.py): x [M, K] @ (w_int8 * scale).T for every M
-    from 1 to 16 (two passes of 8 over each weight row), against float64 over whole steps and tails, each
-    row's result bit for bit the same in every batch and on one thread or two; refusals name the limit."""
+    the kernel takes in `dtype` (linear_int8_rows), against float64 over whole steps and tails, each row's
+    result bit for bit the same in every batch and on one thread or two; refusals name the limit."""
     from engine.quantize import quantize_rows
-    ops, g = cpu_ops.ops(), torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    most = ops.linear_int8_rows(dtype)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
     for rows, k in [(300, 576), (33, 70), (7, 24)]:
         weight, scale = quantize_rows(torch.randn(rows, k, generator=g))
         scale = scale.to(dtype)
-        x = torch.randn(16, k, generator=g).to(dtype)
-        full = ops.linear_int8(x, weight, scale)  # [16, rows]
+        x = torch.randn(most, k, generator=g).to(dtype)
+        full = ops.linear_int8(x, weight, scale)  # [most, rows]
         want = (x.double() @ (weight.double() * scale.double()[:, None]).T).to(dtype)
         torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            alone = [ops.linear_int8(x[i:i + 1], weight, scale) for i in range(16)]
+            alone = [ops.linear_int8(x[i:i + 1], weight, scale) for i in range(most)]
         finally:
             torch.set_num_threads(threads)
-        assert all(torch.equal(alone[i][0], full[i]) for i in range(16))
-        assert all(torch.equal(ops.linear_int8(x[:m], weight, scale), full[:m]) for m in range(1, 16))
+        assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
+        assert all(torch.equal(ops.linear_int8(x[:m], weight, scale), full[:m]) for m in range(1, most))
     w, s = quantize_rows(torch.randn(6, 8))
-    with pytest.raises(RuntimeError, match="x must have 1 to 16 rows, got 17"):
-        ops.linear_int8(torch.randn(17, 8), w, s)
+    with pytest.raises(RuntimeError, match=f"x must have 1 to {most} rows in .*, got {most + 1}"):
+        ops.linear_int8(torch.randn(most + 1, 8).to(dtype), w, s.to(dtype))
     with pytest.raises(RuntimeError, match="weight must be int8"):
         ops.linear_int8(torch.randn(2, 8), w.float(), s)
     with pytest.raises(RuntimeError, match=r"scale must be \[6\], got \[5\]"):
         ops.linear_int8(torch.randn(2, 8), w, s[:5])
 
 
-def test_an_int8_layer_takes_the_int8_kernel_up_to_16_rows_and_torchs_where_the_kernels_are_not_built(
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
+    """On this CPU's path: bf16 on AVX512-BF16 (dot: 64 rows; 1-3 as 16 weight rows side by side, more through
+    bf16 copies of 4), else float32 FMAs (16 rows)."""
+    ops = cpu_ops.ops()
+    dot = dtype == torch.bfloat16 and best_bf16_path() != "fma"
+    assert ops.linear_int8_rows(dtype) == (64 if dot else 16)
+    check_int8_linear(ops, dtype)
+
+
+def test_int8_weights_capped_to_the_fma_path_hold_the_same_contract():
+    """INFERMESH_CPU_BF16=fma: bf16 activations take the float32-FMA int8 path (16 rows), as on a CPU without
+    AVX512-BF16."""
+    done = with_bf16_cap("fma", """
+import torch
+from engine.kernels import cpu_ops
+from tests.test_kernels import check_int8_linear
+assert cpu_ops.ops().linear_int8_rows(torch.bfloat16) == 16
+check_int8_linear(cpu_ops.ops(), torch.bfloat16)
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_int8_layer_takes_the_int8_kernel_and_torchs_where_the_kernels_are_not_built(
         monkeypatch):
     from engine.quantize import Int8Linear
     layer = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16))

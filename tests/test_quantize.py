@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_rows
+from engine.quantize import Int8Linear, kernel_rows, quantize_rows
 from mesh.rpc import channel
 from mesh.settings import DecodeSettings, load
 from protos.convert import sampling_message
@@ -50,7 +50,8 @@ def test_both_matmul_paths_compute_the_dequantized_linear(dtype):
     linear = nn.Linear(96, 40, bias=True).to(dtype)
     layer = Int8Linear.from_linear(linear)
     reference = nn.functional.linear  # with the dequantized weight, in float32
-    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 64):  # the int8 kernel, then the converted weight
+    most = kernel_rows(dtype)
+    for rows in (1, most, most + 1):  # the int8 kernel, then the converted weight
         x = torch.randn(rows, 96).to(dtype)
         expected = reference(x.float(), layer.dequantized(), linear.bias.float())
         tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)

@@ -4,7 +4,7 @@
 // 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX or AVX512-BF16, 8 otherwise
 // (linear_path(dtype) names the path: amx, dot or fma; INFERMESH_CPU_BF16=dot|fma caps it); and
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale for
-// 1 <= M <= 16 (engine/quantize.py), on the fma path.
+// 1 <= M <= linear_int8_rows(dtype) (engine/quantize.py): 64 in bf16 on the dot path, 16 on the fma path.
 //
 // Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
 // bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own, nor the
@@ -262,10 +262,19 @@ constexpr int64_t DOT_READ_BOUND_ROWS = 3;  // up to this many rows of x, weight
 // last step zero-padded; then sum16. Nothing depends on G, R, the neighbours or on whether the weight rows
 // are read one after another (`Interleaved` false: one stream from memory, the few-row case, bound by
 // reading) or side by side (true: 16 sums per step, the many-row case, bound by the dot products).
-template <int R, bool Interleaved>
-void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, int64_t n,
-               bool prefetch) {
-  const bf16* rows[DOT_W];
+// 32 weights from p as bf16 pairs (zeros where `mask` is off); int8 converted exactly (|w| <= 127: 7 bits)
+inline __m512bh load_pairs(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
+inline __m512bh load_pairs(const int8_t* p, __mmask32 mask) {
+  const __m256i bytes = _mm256_maskz_loadu_epi8(mask, p);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int R, bool Interleaved, typename W>
+void dot_block(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, int64_t n,
+               bool prefetch, const float* scale) {
+  const W* rows[DOT_W];
   for (int g = 0; g < DOT_W; ++g) rows[g] = w + std::min<int64_t>(g, G - 1) * stride;  // past G: a repeat, unused
   // named, not an array: GCC keeps an array of sums in memory (the loads may alias it), not in registers
   const __m512 z = _mm512_setzero_ps();
@@ -274,12 +283,12 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
   // what a prefetching block fetches: side by side, the next DOT_W weight rows in step with these (one block's
   // dot products ahead, asked for by every group of x rows: asked once, weights from memory took 10-37 % longer
   // than from cache); one after another, further along the stream
-  const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(bf16)) : AHEAD_BYTES;
+  const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(W)) : AHEAD_BYTES;
   // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
-  const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+  const auto step = [&](const W* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
       __attribute__((always_inline)) {
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + ahead, _MM_HINT_T1);
-    const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + c);
+    const __m512bh ws = load_pairs(row + c, mask);
     a0 = _mm512_dpbf16_ps(a0, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c));
     if constexpr (R > 1) a1 = _mm512_dpbf16_ps(a1, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k + c));
     if constexpr (R > 2) a2 = _mm512_dpbf16_ps(a2, ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + 2 * k + c));
@@ -296,7 +305,7 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
       step(rows[2], c, mask, s20, s21, s22, s23), step(rows[3], c, mask, s30, s31, s32, s33);
     });
   } else {  // a weight row's every step, then the next row's
-    const auto row_sums = [&](const bf16* row, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+    const auto row_sums = [&](const W* row, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
         __attribute__((always_inline)) {
       over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(row, c, mask, a0, a1, a2, a3); });
     };
@@ -306,23 +315,58 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
     if (G > 3) row_sums(rows[3], s30, s31, s32, s33);
   }
   // each sum's 16 lanes added as sum16 adds them, 16 sums at once: lane 4 r + g is s<g><r>
-  const __m512 total = sum16x16({s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33});
+  f32x16 total = (f32x16)sum16x16({s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33});
+  if (scale)  // int8 weights: each weight row's sums times its scale, then rounded once
+    for (int j = 0; j < 16; ++j) total[j] *= scale[std::min<int64_t>(j % DOT_W, G - 1)];
   alignas(64) bf16 out[16];
-  store16(out, (f32x16)total);
+  store16(out, total);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * n, out + 4 * r, G * sizeof(bf16));
 }
 
-template <bool Interleaved>
-void dot_rows_of(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t m, int64_t k, bf16* y, int64_t n) {
+// y[0, G) for DOT_W * DOT_X weight rows (G of them real) and one row of x: each row's sums as dot_block gives
+// them (one chain of steps, then sum16x16), 16 chains side by side. For int8 weights and few rows of x, which
+// a few chains leave waiting on VDPBF16PS's latency (int8 steps are half as many bytes as bf16 ones).
+template <typename W>
+void dot_block16(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, const float* scale) {
+  const W* rows[16];
+  for (int g = 0; g < 16; ++g) rows[g] = w + std::min<int64_t>(g, G - 1) * stride;  // past G: a repeat, unused
+  __m512 sums[16];
+  for (int g = 0; g < 16; ++g) sums[g] = _mm512_setzero_ps();
+  const auto step = [&](int64_t c, __mmask32 mask) __attribute__((always_inline)) {
+    const __m512bh xs = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c);
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[g] + c) + 16 * stride * sizeof(W), _MM_HINT_T1);
+      sums[g] = _mm512_dpbf16_ps(sums[g], load_pairs(rows[g] + c, mask), xs);
+    }
+  };
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) step(c, ~__mmask32{0});
+  if (c < k) step(c, (__mmask32{1} << (k - c)) - 1);
+  // lane 4 c + j of sum16x16 sums its input 4 j + c: row 4 c + j goes there
+  f32x16 total = (f32x16)sum16x16({sums[0], sums[4], sums[8], sums[12], sums[1], sums[5], sums[9], sums[13], sums[2],
+                                   sums[6], sums[10], sums[14], sums[3], sums[7], sums[11], sums[15]});
+  if (scale)
+    for (int j = 0; j < 16; ++j) total[j] *= scale[std::min<int64_t>(j, G - 1)];
+  alignas(64) bf16 out[16];
+  store16(out, total);
+  std::memcpy(y, out, G * sizeof(bf16));
+}
+
+// `streamed`: the weight rows come from memory (prefetched ahead), not from a converted copy in cache.
+template <bool Interleaved, typename W>
+void dot_rows_of(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t m, int64_t k, bf16* y, int64_t n,
+                 bool streamed = true, const float* scale = nullptr) {
   for (int64_t r = 0; r < m; r += DOT_X) {
     const bf16* xr = x + r * k;
     bf16* yr = y + r * n;
-    const bool prefetch = Interleaved || r == 0;  // one after another, the first rows of x stream the weights
+    // one after another, the first rows of x stream the weights
+    const bool prefetch = streamed && (Interleaved || r == 0);
     switch (std::min<int64_t>(DOT_X, m - r)) {
-      case 1: dot_block<1, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
-      case 2: dot_block<2, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
-      case 3: dot_block<3, Interleaved>(w, stride, G, xr, k, yr, n, prefetch); break;
-      default: dot_block<4, Interleaved>(w, stride, G, xr, k, yr, n, prefetch);
+      case 1: dot_block<1, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      case 2: dot_block<2, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      case 3: dot_block<3, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      default: dot_block<4, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale);
     }
   }
 }
@@ -339,6 +383,47 @@ at::Tensor linear_dot(const at::Tensor& x, const at::Tensor& weight) {
       const int64_t first = b * DOT_W, G = std::min<int64_t>(DOT_W, n - first);
       if (interleaved) dot_rows_of<true>(w + first * stride, stride, G, xs, m, k, y + first, n);
       else dot_rows_of<false>(w + first * stride, stride, G, xs, m, k, y + first, n);
+    }
+  });
+  return out;
+}
+
+// int8 weights on the dot path. Few rows of x: each weight row's 32-weight steps converted in registers as
+// they stream, 16 weight rows side by side (dot_block16). More: each block of DOT_W weight rows converted to
+// bf16 once (in cache, prefetching the next block), then summed as bf16 weights are. The same sums either way,
+// times the rows' scales.
+at::Tensor linear_int8_dot(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const at::Tensor xc = x.contiguous(), sf = scale.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const bf16* xs = xc.data_ptr<bf16>();
+  const float* sp = sf.data_ptr<float>();
+  bf16* y = out.data_ptr<bf16>();
+  if (m <= DOT_READ_BOUND_ROWS) {
+    parallel_for((n + 15) / 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t first = b * 16, G = std::min<int64_t>(16, n - first);
+        for (int64_t r = 0; r < m; ++r)
+          dot_block16(w + first * stride, stride, G, xs + r * k, k, y + r * n + first, sp + first);
+      }
+    });
+    return out;
+  }
+  parallel_for((n + DOT_W - 1) / DOT_W, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> block(DOT_W * k);  // [DOT_W, k]
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * DOT_W, G = std::min<int64_t>(DOT_W, n - first);
+      const int8_t* rows = w + first * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        int64_t c = 0;
+        for (; c + 32 <= k; c += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows + g * stride + c + DOT_W * stride), _MM_HINT_T1);
+          _mm512_storeu_si512(block.data() + g * k + c, (__m512i)load_pairs(rows + g * stride + c, ~__mmask32{0}));
+        }
+        for (; c < k; ++c) block[g * k + c] = static_cast<bf16>(static_cast<float>(rows[g * stride + c]));
+      }
+      dot_rows_of<true>(block.data(), k, G, xs, m, k, y + first, n, false, sp + first);
     }
   });
   return out;
@@ -384,12 +469,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 
 // ---- int8 weights (engine/quantize.py: one scale per weight row) ----
 
-constexpr int64_t INT8_ROWS = 16;  // as many as torch's int8 kernel took (PACKED_MAX_ROWS)
+constexpr int64_t INT8_ROWS = 16;  // the fma path: as many as torch's int8 kernel took
+
+// Whether int8 weights take the dot path with x in this dtype: bf16 where the CPU has AVX512-BF16 (and bf16
+// is not capped to fma); else the fma path.
+bool int8_dot(c10::ScalarType dtype) {
+#ifdef INFERMESH_BF16_DOT
+  return dtype == at::kBFloat16 && bf16_path() != Bf16Path::fma;
+#else
+  return false;
+#endif
+}
+
+// How many rows `linear_int8` takes in this dtype.
+int64_t linear_int8_rows(c10::ScalarType dtype) { return int8_dot(dtype) ? WIDE_ROWS : INT8_ROWS; }
 
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
-// in x's dtype, 1 <= M <= 16: each thread streams its weight rows once (twice past 8 rows, the second time
-// from cache), int8 converted to float32 in registers; every output summed in one order whatever M and the
-// threads (then scaled once), so a row gets the same bits in any batch of up to 16.
+// in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot: each block of 4 weight rows converted to bf16 in cache
+// (exact), then as bf16 weights (up to 64 rows). fma: each thread streams its weight rows once (twice past 8
+// rows, the second time from cache), int8 converted to float32 in registers (up to 16). Either way every
+// output is summed in one order whatever M and the threads (then scaled once): a row gets the same bits in any
+// batch the path takes.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.stride(1) == 1 &&
                   weight.stride(0) >= weight.size(1),
@@ -398,7 +498,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0), "scale must be [", weight.size(0), "], got ",
               scale.sizes());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be [M, ", weight.size(1), "], got ", x.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= INT8_ROWS, "x must have 1 to ", INT8_ROWS, " rows, got ", x.size(0));
+  const int64_t rows = linear_int8_rows(x.scalar_type());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
+              x.size(0));
+#ifdef INFERMESH_BF16_DOT
+  if (int8_dot(x.scalar_type())) return linear_int8_dot(x, weight, scale);
+#endif
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   const at::Tensor xf = x.to(at::kFloat).contiguous(), sf = scale.to(at::kFloat).contiguous();  // [M, K], [N]
@@ -440,4 +545,5 @@ TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);
   m.def("linear_path(ScalarType dtype) -> str", &linear_path);
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor", &linear_int8);
+  m.def("linear_int8_rows(ScalarType dtype) -> int", &linear_int8_rows);
 }
