@@ -6,7 +6,7 @@ fused (qkv, gate_up) when weights load: fewer, larger matmuls. The model never
 imports torch.distributed; parallelism is applied from outside.
 
 `forward(token_ids [T], positions [T], kv_cache, meta) -> hidden [T, D]`;
-`compute_logits(hidden [N, D]) -> [N, V]` in float32, run only on the rows sampled.
+`compute_logits(hidden [N, D]) -> [N, V]` in the model's dtype, run only on the rows sampled.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        return self.lm_head(hidden)  # [N, V]; the sampler up-casts the rows that need more than an argmax
 
 
 def build_model(cfg: ModelConfig, hf_weights: dict[str, torch.Tensor],

@@ -68,6 +68,23 @@ def test_logprobs_are_the_models_log_softmax():
     assert [t for t, _ in lps[0].top] == torch.topk(ref, 3).indices.tolist()
 
 
+def test_bf16_logits_sample_what_their_float32_copy_samples():
+    """The model hands the sampler logits in its own dtype: greedy rows (ties included: the first maximal
+    index), seeded draws and logprobs are those of the float32 copy."""
+    logits = logits_rows(4, vocab=300, seed=3).bfloat16()  # bf16's coarse steps: ties among the best
+    logits[0, 7] = logits[0, 250] = logits[0].max() + 1  # an exact tie for the first row's best
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, seed=1, logprobs=2), SamplingParams(temperature=1.3, top_k=20, top_p=0.9)]
+
+    def run(rows):
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        return sample(rows, params, gens, torch.Generator().manual_seed(9))
+
+    (tokens, lps), (want_tokens, want_lps) = run(logits), run(logits.float())
+    assert tokens == want_tokens and tokens[0] == 7
+    assert lps == want_lps
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
