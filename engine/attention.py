@@ -37,6 +37,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decode] int32 (the CUDA kernel's mask)
     prefills: tuple[PrefillSpan, ...]
+    decode_only: bool = False  # every row a decode row (no prefill chunk in the step)
 
 
 def build_metadata(
@@ -75,6 +76,7 @@ def build_metadata(
         decode_mask=mask,
         decode_context_lens=lens,
         prefills=tuple(spans),
+        decode_only=num_decode > 0 and not spans,
     )
 
 
@@ -134,6 +136,20 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outputs.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def fused_decode(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_heads: int,
+                 kv_head_map: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A step of decode rows only, on CPU, from a layer's fused projection qkv [T, (Hq + 2 Hkv) D]: RoPE, the
+    cache write and the attention in one kernel call (engine/kernels/cpu_paged_decode.cpp, `decode_attention`:
+    the same roundings as rotate_, the cache write and paged_decode) -> [T, Hq * D]; None where it does not
+    apply (a prefill chunk in the step, another device, no kernels)."""
+    if not meta.decode_only or not cpu_ops.takes(qkv, k_cache):
+        return None
+    heads = cpu_decode.gqa_heads(num_heads, k_cache.shape[2]) if kv_head_map is None else kv_head_map
+    return cpu_ops.ops().decode_attention(qkv, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping,
+                                          meta.decode_block_tables, meta.decode_context_lens, heads, scale, num_heads)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, RotaryEmbedding, paged_attention, rotate_
+from engine.attention import AttentionMetadata, RotaryEmbedding, fused_decode, paged_attention, rotate_
 from engine.config import ModelConfig
 from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
@@ -83,7 +83,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        if self.q_norm is None and self.attend is paged_attention:  # decode-only steps on CPU: one kernel call
+            out = fused_decode(qkv, rope, kv_cache[0], kv_cache[1], meta, self.scale, self.num_heads,
+                               self.kv_head_map)
+            if out is not None:
+                return self.o_proj(out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)

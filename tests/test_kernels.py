@@ -237,6 +237,71 @@ def test_cpu_decode_attention_through_the_engine_path_is_exact_attention(kernel,
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mapped", [False, True], ids=["GQA", "kv_head_map"])
+def test_a_decode_steps_fused_attention_is_rope_the_cache_write_and_paged_decode_bit_for_bit(dtype, mapped):
+    """`fused_decode`, one kernel call from a layer's fused projection (rows of a wider tensor here), computes
+    what the unfused path does: q and k rotated in place, k and v written at each token's slot, then the
+    paged attention — the same output and the same caches, bit for bit."""
+    from engine.attention import RotaryEmbedding, build_metadata, fused_decode, paged_attention, rotate_
+    from engine.config import RopeScaling
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block, lens = 9, 3, 64, 16, [1, 17, 40, 300, 5]
+    _, k_cache, v_cache, tables, _ = _paged_case(g, batch=5, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                                                 lens=lens, dtype=dtype)
+    used = [tables[b, : -(-n // block)].tolist() for b, n in enumerate(lens)]
+    slots = [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(used, lens)]  # each new token's
+    meta = build_metadata(slot_mapping=slots, decode_block_tables=used, decode_context_lens=lens, prefill_chunks=[],
+                          block_size=block, device=torch.device("cpu"))
+    assert meta.decode_only
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(5, width + 7, generator=g).to(dtype)[:, :width]  # [5, width], rows 7 apart
+    rope = RotaryEmbedding(dim, 512, 10000.0, RopeScaling()).tables(torch.tensor(lens) - 1, dtype)
+    kv_head_map = torch.tensor([2, 0, 1, 1, 2, 0, 0, 1, 2]) if mapped else None
+
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = ref_qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(5, heads, dim), k.view(5, kv_heads, dim), v.view(5, kv_heads, dim)
+    q, k = rotate_(q, *rope), rotate_(k, *rope)
+    want = paged_attention(q, k, v, ref_k, ref_v, meta, 0.125, kv_head_map).flatten(1)  # [5, Hq * D]
+
+    got = fused_decode(qkv, rope, k_cache, v_cache, meta, 0.125, heads, kv_head_map)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    bad = build_metadata(slot_mapping=[0, 0, 0, 0, k_cache.shape[0] * block], decode_block_tables=used,
+                         decode_context_lens=lens, prefill_chunks=[], block_size=block, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[4\] = \d+ is not a slot of the cache"):
+        fused_decode(qkv, rope, k_cache, v_cache, bad, 0.125, heads, kv_head_map)
+
+
+def test_the_engine_decodes_through_the_fused_attention_as_through_the_unfused_path(tiny_checkpoint, monkeypatch):
+    """Decode-only steps take `fused_decode`; the same requests with it switched off give the same logits bit
+    for bit (mixed steps, prefill chunks with decode rows, take the unfused path either way)."""
+    import engine.model
+    from engine import LLM, SamplingParams
+    from tests.test_parity_tiny import capture_logits, prompts
+
+    folder, _ = tiny_checkpoint("llama")
+    fused, calls = engine.model.fused_decode, []
+
+    def counting(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    def run(fused_on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(engine.model, "fused_decode", counting if fused_on else lambda *a, **k: None)
+        llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=32)
+        captured = capture_logits(llm)
+        outs = llm.generate(prompts(6, seed=2), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        llm.close()
+        return [torch.stack(captured[o.request_id]) for o in outs]
+
+    with_fused, without = run(True), run(False)
+    assert any(calls) and not all(calls)  # decode-only steps fused, steps with prefill chunks not
+    assert all(torch.equal(a, b) for a, b in zip(with_fused, without))
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["C++ kernels", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_and_rope_on_cpu_match_transformers(kernel, dtype, monkeypatch):

@@ -95,27 +95,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-// One head of one token: x = (x1, x2) -> (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), each product and the sum
-// rounded to T as torch's `x * cos + rotate_half(x) * sin` rounds them.
-template <typename T>
-void rotate(T* x, const T* cos, const T* sin, int64_t half) {
-  int64_t i = 0;
-  for (; i + 16 <= half; i += 16) {
-    const f32x16 x1 = load16(x + i), x2 = load16(x + half + i);
-    const f32x16 out1 = rounded<T>(x1 * load16(cos + i)) - rounded<T>(x2 * load16(sin + i));
-    const f32x16 out2 = rounded<T>(x2 * load16(cos + half + i)) + rounded<T>(x1 * load16(sin + half + i));
-    store16(x + i, out1);
-    store16(x + half + i, out2);
-  }
-  for (; i < half; ++i) {
-    const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
-    x[i] = static_cast<T>(to_float(static_cast<T>(x1 * to_float(cos[i]))) -
-                          to_float(static_cast<T>(x2 * to_float(sin[i]))));
-    x[half + i] = static_cast<T>(to_float(static_cast<T>(x2 * to_float(cos[half + i]))) +
-                                 to_float(static_cast<T>(x1 * to_float(sin[half + i]))));
-  }
-}
-
 at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [T, H, D] with D even and "
               "contiguous, got ", x.sizes(), " strides ", x.strides());

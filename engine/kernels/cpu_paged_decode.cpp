@@ -243,11 +243,13 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int6
 // start and end cost more than it saves (32 x 30 rows: 57 us on one thread, 64 on two).
 constexpr int64_t PARALLEL_MIN_ROWS = 2048;
 
+// q: `batch` rows of `heads` x head_dim, row b at qp + b * q_stride; out [batch, heads, head_dim]
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-         const at::Tensor& lens, const at::Tensor& kv_heads, double scale, at::Tensor& out) {
-  const int64_t batch = q.size(0), max_blocks = tables.size(1), heads = q.size(1);
-  const Shape s{q.size(2), k_cache.size(2) * k_cache.size(3), k_cache.size(1),
+void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& kv_heads,
+         double scale, at::Tensor& out) {
+  const int64_t max_blocks = tables.size(1);
+  const Shape s{k_cache.size(3), k_cache.size(2) * k_cache.size(3), k_cache.size(1),
                 k_cache.size(1) * k_cache.size(2) * k_cache.size(3)};
   const int32_t* len = lens.data_ptr<int32_t>();
   std::vector<int64_t> first_item(batch + 1, 0);  // the work items of sequence b: [first_item[b], first_item[b + 1])
@@ -267,7 +269,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // every item writes its whole part of these (no zeroing needed)
   std::unique_ptr<float[]> acc(new float[items * HD]), row_max(new float[items * heads]),
       row_sum(new float[items * heads]);
-  const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -301,7 +302,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t item = begin; item < end; ++item) {
       while (item >= first_item[b + 1]) ++b;
       if (b != had) {  // this sequence's query in float32
-        for (int64_t i = 0; i < HD; ++i) qf[i] = to_float(qp[b * HD + i]);
+        for (int64_t i = 0; i < HD; ++i) qf[i] = to_float(qp[b * q_stride + i]);
         had = b;
       }
       const int64_t first = (item - first_item[b]) * CHUNK, last = std::min<int64_t>(first + CHUNK, len[b]);
@@ -323,9 +324,55 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& kv_heads, double scale) {
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, k_cache, v_cache, tables, lens, kv_heads, scale, out);
+    run<scalar_t>(q.data_ptr<scalar_t>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache, tables,
+                  lens, kv_heads, scale, out);
   });
   return out;
+}
+
+// A decode-only step's attention from a layer's fused projection, in one call: each row of qkv [B, >= (Hq +
+// 2 Hkv) D] holds a token's q, k and v heads; RoPE rotates q and k in place (as rope_ does), k and v are
+// written to the caches at the token's slot, then the query attends as paged_decode does. -> [B, Hq * D]
+at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables,
+                            const at::Tensor& lens, const at::Tensor& kv_heads, double scale, int64_t heads) {
+  const int64_t batch = qkv.size(0), kv_heads_n = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t slots_n = k_cache.size(0) * k_cache.size(1), row = kv_heads_n * dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (heads + 2 * kv_heads_n) * dim,
+              "qkv must be [B, >= ", (heads + 2 * kv_heads_n) * dim, "] with rows of unit stride, got ", qkv.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  dim % 2 == 0,
+              "the caches must be contiguous [blocks, block_size, kv_heads, D even] in qkv's dtype");
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->is_contiguous() && table->numel() == batch * dim && table->scalar_type() == qkv.scalar_type(),
+                "cos and sin must be [", batch, ", ..., ", dim, "] in ", qkv.scalar_type());
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slot_mapping must be [", batch, "] int64");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && tables.scalar_type() == at::kLong &&
+                  tables.is_contiguous() && lens.dim() == 1 && lens.size(0) == batch &&
+                  lens.scalar_type() == at::kInt && kv_heads.numel() == heads && kv_heads.scalar_type() == at::kLong,
+              "block_tables [", batch, ", W] int64, context_lens [", batch, "] int32 and kv_head [", heads,
+              "] int64 expected");
+  const int64_t* kh = kv_heads.data_ptr<int64_t>();
+  for (int64_t h = 0; h < heads; ++h)
+    TORCH_CHECK(kh[h] >= 0 && kh[h] < kv_heads_n, "kv_head[", h, "] = ", kh[h], " is not in [0, ", kv_heads_n, ")");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < slots_n, "slot_mapping[", b, "] = ", sp[b], " is not a slot of the cache");
+  at::Tensor out = at::empty({batch, heads, dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
+    scalar_t *xp = qkv.data_ptr<scalar_t>(), *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t *cp = cos.data_ptr<scalar_t>(), *snp = sin.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      scalar_t* x = xp + b * qkv.stride(0);
+      for (int64_t h = 0; h < heads + kv_heads_n; ++h) rotate(x + h * dim, cp + b * dim, snp + b * dim, dim / 2);
+      std::memcpy(kc + sp[b] * row, x + heads * dim, row * sizeof(scalar_t));
+      std::memcpy(vc + sp[b] * row, x + (heads + kv_heads_n) * dim, row * sizeof(scalar_t));
+    }
+    run<scalar_t>(xp, qkv.stride(0), batch, heads, k_cache, v_cache, tables, lens, kv_heads, scale, out);
+  });
+  return out.view({batch, heads * dim});
 }
 
 }  // namespace
@@ -333,4 +380,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "Tensor kv_head, float scale) -> Tensor", &paged_decode);
+  m.def("decode_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor kv_head, float scale, int heads) "
+        "-> Tensor", &decode_attention);
 }

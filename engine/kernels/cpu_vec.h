@@ -1,5 +1,5 @@
-// What the CPU kernels share: float32 vectors of 16 lanes over the model's dtypes, and a parallel loop on
-// the calling thread's intra-op threads.
+// What the CPU kernels share: float32 vectors of 16 lanes over the model's dtypes, RoPE on one head, and a
+// parallel loop on the calling thread's intra-op threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -145,6 +145,27 @@ template <>
 inline void store16(c10::BFloat16* p, f32x16 v) {  // the top half of each rounded float32
   const u16x16 bits = __builtin_convertvector((u32x16)rounded<c10::BFloat16>(v) >> 16, u16x16);
   std::memcpy(p, &bits, sizeof bits);
+}
+
+// One head of one token: x = (x1, x2) -> (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), each product and the sum
+// rounded to T as torch's `x * cos + rotate_half(x) * sin` rounds them.
+template <typename T>
+inline void rotate(T* x, const T* cos, const T* sin, int64_t half) {
+  int64_t i = 0;
+  for (; i + 16 <= half; i += 16) {
+    const f32x16 x1 = load16(x + i), x2 = load16(x + half + i);
+    const f32x16 out1 = rounded<T>(x1 * load16(cos + i)) - rounded<T>(x2 * load16(sin + i));
+    const f32x16 out2 = rounded<T>(x2 * load16(cos + half + i)) + rounded<T>(x1 * load16(sin + half + i));
+    store16(x + i, out1);
+    store16(x + half + i, out2);
+  }
+  for (; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+    x[i] = static_cast<T>(to_float(static_cast<T>(x1 * to_float(cos[i]))) -
+                          to_float(static_cast<T>(x2 * to_float(sin[i]))));
+    x[half + i] = static_cast<T>(to_float(static_cast<T>(x2 * to_float(cos[half + i]))) +
+                                 to_float(static_cast<T>(x1 * to_float(sin[half + i]))));
+  }
 }
 
 // f(begin, end) over [0, n) in contiguous ranges, one per intra-op thread of the calling thread. Not
