@@ -3,6 +3,10 @@
 // infermesh_cpu::paged_decode(q [B, Hq, D], k_cache, v_cache [blocks, block_size, Hkv, D],
 //                             block_tables [B, max_blocks] int64, context_lens [B] int32,
 //                             kv_head [Hq] int64, scale) -> [B, Hq, D]
+// infermesh_cpu::decode_attention(qkv [B, >= (Hq + 2 Hkv) D], cos, sin, k_cache, v_cache, slot_mapping [B],
+//                                 block_tables, context_lens, kv_head, scale, Hq) -> [B, Hq * D]: a decode-only
+//                                 step's RoPE, cache write and the same attention in one call (engine.attention,
+//                                 fused_decode)
 //
 // Work items are (sequence, chunk of CHUNK tokens), spread over torch's intra-op threads (a batch of short
 // contexts runs on the calling thread: PARALLEL_MIN_ROWS). Each item walks its tokens through the block
