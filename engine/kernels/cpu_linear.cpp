@@ -271,10 +271,10 @@ inline __m512bh load_pairs(const int8_t* p, __mmask32 mask) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-template <int R, bool Interleaved, typename W>
-void dot_block(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, int64_t n,
+template <int R, bool Interleaved>
+void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t k, bf16* y, int64_t n,
                bool prefetch, const float* scale) {
-  const W* rows[DOT_W];
+  const bf16* rows[DOT_W];
   for (int g = 0; g < DOT_W; ++g) rows[g] = w + std::min<int64_t>(g, G - 1) * stride;  // past G: a repeat, unused
   // named, not an array: GCC keeps an array of sums in memory (the loads may alias it), not in registers
   const __m512 z = _mm512_setzero_ps();
@@ -283,9 +283,9 @@ void dot_block(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k, 
   // what a prefetching block fetches: side by side, the next DOT_W weight rows in step with these (one block's
   // dot products ahead, asked for by every group of x rows: asked once, weights from memory took 10-37 % longer
   // than from cache); one after another, further along the stream
-  const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(W)) : AHEAD_BYTES;
+  const int64_t ahead = Interleaved ? DOT_W * stride * static_cast<int64_t>(sizeof(bf16)) : AHEAD_BYTES;
   // one weight row's 32-k step from c (zeros where `mask` is off) into its sums with the R rows of x
-  const auto step = [&](const W* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+  const auto step = [&](const bf16* row, int64_t c, __mmask32 mask, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
       __attribute__((always_inline)) {
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + c) + ahead, _MM_HINT_T1);
     const __m512bh ws = load_pairs(row + c, mask);
@@ -305,7 +305,7 @@ void dot_block(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k, 
       step(rows[2], c, mask, s20, s21, s22, s23), step(rows[3], c, mask, s30, s31, s32, s33);
     });
   } else {  // a weight row's every step, then the next row's
-    const auto row_sums = [&](const W* row, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
+    const auto row_sums = [&](const bf16* row, __m512& a0, __m512& a1, __m512& a2, __m512& a3)
         __attribute__((always_inline)) {
       over_k([&](int64_t c, __mmask32 mask) __attribute__((always_inline)) { step(row, c, mask, a0, a1, a2, a3); });
     };
@@ -354,8 +354,8 @@ void dot_block16(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k
 }
 
 // `streamed`: the weight rows come from memory (prefetched ahead), not from a converted copy in cache.
-template <bool Interleaved, typename W>
-void dot_rows_of(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t m, int64_t k, bf16* y, int64_t n,
+template <bool Interleaved>
+void dot_rows_of(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t m, int64_t k, bf16* y, int64_t n,
                  bool streamed = true, const float* scale = nullptr) {
   for (int64_t r = 0; r < m; r += DOT_X) {
     const bf16* xr = x + r * k;
@@ -363,10 +363,10 @@ void dot_rows_of(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t m
     // one after another, the first rows of x stream the weights
     const bool prefetch = streamed && (Interleaved || r == 0);
     switch (std::min<int64_t>(DOT_X, m - r)) {
-      case 1: dot_block<1, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
-      case 2: dot_block<2, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
-      case 3: dot_block<3, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
-      default: dot_block<4, Interleaved, W>(w, stride, G, xr, k, yr, n, prefetch, scale);
+      case 1: dot_block<1, Interleaved>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      case 2: dot_block<2, Interleaved>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      case 3: dot_block<3, Interleaved>(w, stride, G, xr, k, yr, n, prefetch, scale); break;
+      default: dot_block<4, Interleaved>(w, stride, G, xr, k, yr, n, prefetch, scale);
     }
   }
 }
@@ -485,9 +485,9 @@ bool int8_dot(c10::ScalarType dtype) {
 int64_t linear_int8_rows(c10::ScalarType dtype) { return int8_dot(dtype) ? WIDE_ROWS : INT8_ROWS; }
 
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
-// in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot: each block of 4 weight rows converted to bf16 in cache
-// (exact), then as bf16 weights (up to 64 rows). fma: each thread streams its weight rows once (twice past 8
-// rows, the second time from cache), int8 converted to float32 in registers (up to 16). Either way every
+// in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot (up to 64 rows): the weights converted to bf16 exactly
+// and summed as bf16 weights are (linear_int8_dot). fma (up to 16): each thread streams its weight rows once
+// (twice past 8 rows, the second time from cache), int8 converted to float32 in registers. Either way every
 // output is summed in one order whatever M and the threads (then scaled once): a row gets the same bits in any
 // batch the path takes.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
