@@ -13,10 +13,11 @@
 // table (no gather of the context), reads each KV head's part of a row once for all the query heads that
 // share it, with rows prefetched ahead, and keeps float32 partials: scores, softmax numerators and the
 // weighted sum of values (bf16 scores on AVX512-BF16 dot products where the CPU has them). The chunks of a
-// sequence are then merged by log-sum-exp in chunk order (a sequence of one chunk by its item). Chunks are fixed in
-// size, so a sequence's result does not depend on the batch it runs in or the number of threads. Shapes and
-// dtypes are checked by the Python wrapper (engine/kernels/cpu_decode.py), the block tables and lengths here:
-// every row read lies in the cache.
+// sequence are then merged by log-sum-exp in chunk order (a sequence of one chunk by its item). Chunks are
+// fixed in size, so a sequence's result does not depend on the batch it runs in or the number of threads.
+// paged_decode's shapes and dtypes are checked by its Python wrapper (engine/kernels/cpu_decode.py),
+// decode_attention's here, and the block tables, lengths and slots here: every row read or written lies in
+// the cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
