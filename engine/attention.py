@@ -37,7 +37,6 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decode] int32 (the CUDA kernel's mask)
     prefills: tuple[PrefillSpan, ...]
-    decode_only: bool = False  # every row a decode row (no prefill chunk in the step)
 
 
 def build_metadata(
@@ -76,7 +75,6 @@ def build_metadata(
         decode_mask=mask,
         decode_context_lens=lens,
         prefills=tuple(spans),
-        decode_only=num_decode > 0 and not spans,
     )
 
 
@@ -145,7 +143,7 @@ def fused_decode(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_c
     cache write and the attention in one kernel call (engine/kernels/cpu_paged_decode.cpp, `decode_attention`:
     the same roundings as rotate_, the cache write and paged_decode) -> [T, Hq * D]; None where it does not
     apply (a prefill chunk in the step, another device, no kernels)."""
-    if not meta.decode_only or not cpu_ops.takes(qkv, k_cache):
+    if not meta.num_decode or meta.prefills or not cpu_ops.takes(qkv, k_cache):  # decode rows only, or not
         return None
     heads = cpu_decode.gqa_heads(num_heads, k_cache.shape[2]) if kv_head_map is None else kv_head_map
     return cpu_ops.ops().decode_attention(qkv, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping,

@@ -253,7 +253,7 @@ def test_a_decode_steps_fused_attention_is_rope_the_cache_write_and_paged_decode
     slots = [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(used, lens)]  # each new token's
     meta = build_metadata(slot_mapping=slots, decode_block_tables=used, decode_context_lens=lens, prefill_chunks=[],
                           block_size=block, device=torch.device("cpu"))
-    assert meta.decode_only
+    assert meta.num_decode == 5 and not meta.prefills
     width = (heads + 2 * kv_heads) * dim
     qkv = torch.randn(5, width + 7, generator=g).to(dtype)[:, :width]  # [5, width], rows 7 apart
     rope = RotaryEmbedding(dim, 512, 10000.0, RopeScaling()).tables(torch.tensor(lens) - 1, dtype)
