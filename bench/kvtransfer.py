@@ -123,8 +123,8 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
     src, dst = layouts(tokens)
     blocks = 2 * len(src.block_table)
     if rank == 1:
-        TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table,
-                                           on_landed=lambda rid: None))  # as decode's: KV lands (nothing is freed)
+        TorchP2PReceiver(group, KVReceiver(cache(blocks), lambda rid: dst.block_table, on_landed=lambda rid: None),
+                         sources=[0])  # as decode's: KV lands (nothing is freed)
         floor = torch.empty(LAYERS * 2 * tokens * HEADS * HEAD_DIM, dtype=torch.bfloat16)
         for _ in range(repeats):
             group.recv([floor], 0, 99).wait()

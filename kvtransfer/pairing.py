@@ -93,7 +93,8 @@ class PairListener:
                                     prefill_ranks + self.ranks, timeout=TIMEOUT, idle_timeout=IDLE, host=self.host)
         except RuntimeError:
             return  # the prefill side never joined (it died)
-        self.receivers[pair] = TorchP2PReceiver(group, self.receiver, on_exit=lambda: self.receivers.pop(pair, None))
+        self.receivers[pair] = TorchP2PReceiver(group, self.receiver, range(prefill_ranks),
+                                              on_exit=lambda: self.receivers.pop(pair, None))
 
 
 class PairLink:

@@ -25,13 +25,18 @@ group's `lock` (the engine step and a finishing thread may send at once), and
 callable, called on `open()` (forming a pair group needs every rank: see
 `kvtransfer.pairing`).
 
-`TorchP2PReceiver` runs a thread on each decode rank that takes descriptors from
-any source (`recv_anysource`, then the rest from that source) and posts each
-announced layer's receives: straight into the cache where the receiver lets it
-land (`KVReceiver.landing`: no copy on the decode side), others into a buffer
-written at END. At END every payload of the stream has arrived (a pair's
-messages arrive in order). Any-source receive is gloo's; NCCL has none, so CUDA
-caches would need one receive loop per source rank (not built).
+`TorchP2PReceiver` runs a thread per source rank on each decode rank that takes
+that source's descriptors and posts each announced layer's receives: straight
+into the cache where the receiver lets it land (`KVReceiver.landing`: no copy on
+the decode side), others into a buffer written at END. At END every payload of
+the stream has arrived (a pair's messages arrive in order). A receive from one
+source fails as soon as that peer dies, so its landings close and their blocks
+may go; gloo's any-source receive is not woken by a dead peer (it would wait out
+the group's timeout, a year on the decode side), and NCCL has none. So a
+receiving process should not be shutting down its interpreter just as a source
+leaves: a receive thread woken then aborts the process (a C++ wait returning
+into a finalizing Python 3.11). A decode instance stops while its prefill peers
+serve on, and nothing wakes.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from engine.errors import NoReservation
+from engine.parallel.groups import IDLE
 from engine.threads import off_the_engine_thread
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 
@@ -209,42 +215,47 @@ class _Stream:
 
 
 class TorchP2PReceiver:
-    """A daemon thread writing the pieces that arrive on `group` into `receiver`; stops when the group fails."""
+    """Daemon threads, one per source rank, writing the pieces that arrive on `group` into `receiver`; each stops
+    when its source fails, and the first to stop calls `on_exit` (the group is then broken)."""
 
     KEEP_COMPLETED = 1024
 
-    def __init__(self, group, receiver: KVReceiver, on_exit: Callable[[], None] | None = None) -> None:
+    def __init__(self, group, receiver: KVReceiver, sources: Iterable[int],
+                 on_exit: Callable[[], None] | None = None) -> None:
+        """`sources`: the group ranks that send here (the prefill instance's)."""
         self.group, self.receiver, self.on_exit = group, receiver, on_exit
         # (source group rank, request id) -> bytes, once acknowledged; the latest KEEP_COMPLETED
         self.completed: OrderedDict[tuple[int, str], int] = OrderedDict()
-        self._written: dict[tuple[int, str], int] = {}
+        self._written: dict[tuple[int, str], int] = {}  # keyed by source: each thread touches its own keys
         self._refused: dict[tuple[int, str], str] = {}
         self._streams: dict[tuple[int, int], _Stream] = {}  # (source, stream) -> what it holds
         self._done = threading.Condition()
-        self.thread = threading.Thread(target=self._loop, name="kv-p2p-receiver", daemon=True)
-        self.thread.start()
+        self._exited = False
+        self.threads = [threading.Thread(target=self._loop, args=(source,), name=f"kv-p2p-receiver-{source}",
+                                         daemon=True) for source in sources]
+        for thread in self.threads:
+            thread.start()
 
     def wait_for(self, keys: list[tuple[int, str]], timeout_s: float) -> bool:
         with self._done:
             return self._done.wait_for(lambda: all(k in self.completed for k in keys), timeout=timeout_s)
 
-    def _loop(self) -> None:
+    def _loop(self, source: int) -> None:
         off_the_engine_thread()  # its copies into the cache must not take the engine's intra-op threads
         try:
             while True:
-                self._receive_one()
+                self._receive_one(source)
         except RuntimeError:
-            for stream in self._streams.values():
-                stream.landings.close()  # the group is gone: nothing lands any more
-            self._streams.clear()
-            if self.on_exit is not None:
+            for key in [key for key in list(self._streams) if key[0] == source]:  # list(): other threads add
+                self._streams.pop(key).landings.close()  # the source is gone: nothing of it lands any more
+            with self._done:
+                first, self._exited = not self._exited, True
+            if first and self.on_exit is not None:
                 self.on_exit()  # the group was closed or a peer died
 
-    def _receive_one(self) -> None:
+    def _receive_one(self, source: int) -> None:
         descriptor = torch.zeros(DESCRIPTOR_LEN, dtype=torch.long)
-        work = self.group.recv_anysource([descriptor], TAG_DESCRIPTOR)
-        work.wait()
-        source = work._source_rank()
+        self.group.recv([descriptor], source, TAG_DESCRIPTOR).wait(IDLE)  # gloo's own timeout would break the pair
         kind, stream_id, layer, header_len, dtype, num_tokens, heads, head_dim, last = descriptor.tolist()
         stream = self._streams.get((source, stream_id))
         if header_len:

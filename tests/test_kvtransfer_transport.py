@@ -4,6 +4,7 @@ recomputed on decode; shared memory refuses files that are not its own and leave
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -372,6 +373,17 @@ def test_scatter_rows_writes_each_run_where_indexed_assignment_does(runs):
 # ---- torch.distributed point-to-point over a pair group: prefill CP ranks + decode TP ranks ---------------
 
 
+def leave_receivers_first(group, sources: int) -> None:
+    """The end of a pair's workers: the receiving ranks (past the first `sources`) exit first. A source that
+    left first would wake their receive threads while their interpreter shuts down, where a C++ wait that
+    returns aborts the process (Python 3.11)."""
+    group.barrier().wait()
+    if group.rank() < sources:
+        for peer in range(sources, group.size()):
+            with contextlib.suppress(RuntimeError):  # the peer closed the pair: it has left
+                group.recv([torch.zeros(1)], peer, 99).wait()
+
+
 def p2p_worker(rank: int, cp: int, tp: int, port: int, results, land: bool = False) -> None:
     """`land`: decode's blocks lie in a row and its ranks let KV land straight in the cache; their
     `write_runs` refuses everything, so all that arrives must have landed."""
@@ -424,7 +436,7 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results, land: bool = Fal
                             on_landed=(lambda rid: None) if land else None)  # nothing is freed here
         if land:
             writer.write_runs = refuse_writes
-        receiver = TorchP2PReceiver(group, writer)
+        receiver = TorchP2PReceiver(group, writer, sources=range(cp))
         assert receiver.wait_for([(s, "req") for s in range(cp)], timeout_s=60)
         for layer in range(layers):
             for t in range(tokens):
@@ -432,7 +444,7 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results, land: bool = Fal
                 assert torch.equal(kv[layer][0][slot], truth[layer, 0, t, h0:h1])
                 assert torch.equal(kv[layer][1][slot], truth[layer, 1, t, h0:h1])
         results.put(("decode", rank, sum(receiver.completed.values()), None))
-    group.barrier().wait()
+    leave_receivers_first(group, cp)
 
 
 def refuse_writes(*args, **kwargs):
@@ -475,7 +487,7 @@ def p2p_streams_worker(rank: int, port: int, results) -> None:
         results.put(sum(s.finish().bytes for s in senders.values()))
     else:
         kv = [(torch.zeros(3, 16, 3, 4), torch.zeros(3, 16, 3, 4)) for _ in range(2)]
-        receiver = TorchP2PReceiver(group, KVReceiver(kv, {"a": (0,), "b": (1,)}.get))
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, {"a": (0,), "b": (1,)}.get), sources=[0])
         assert receiver.wait_for([(0, "a"), (0, "b")], timeout_s=60)
         for layer in range(2):
             for which in range(2):
@@ -484,7 +496,7 @@ def p2p_streams_worker(rank: int, port: int, results) -> None:
                     assert torch.equal(flat[run_rows(runs[rid, layer])], data[r, layer, which])
         assert not flat[24:].any() and not receiver._streams  # nothing else written; every stream ended
         results.put(sum(receiver.completed.values()))
-    group.barrier().wait()
+    leave_receivers_first(group, 1)
 
 
 def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change_between_layers():
@@ -500,14 +512,16 @@ def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change
 def p2p_announced_worker(rank: int, port: int, results) -> None:
     """Rank 0 pushes two prompts through `PlanSink`s whose layers interleave on one group, each announcing its
     three layers up front (one lands in decode's cache, one is buffered: its blocks are not in a row); then a
-    push whose second layer breaks the run it announced; then one more push. Rank 1 receives them all."""
+    push whose second layer breaks the run it announced; then one more push. Rank 1 receives them all. Each
+    push has blocks of its own, as a decode instance's requests do (a later push lands while an earlier one
+    is checked)."""
     from engine.parallel.groups import rendezvous, stateless_group
     from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
 
     group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
-    layers, tokens, shape = 3, 40, (8, 16, 3, 4)  # 40 tokens: blocks 0-2 of the prefill cache
+    layers, tokens, shape = 3, 40, (16, 16, 3, 4)  # 40 tokens: blocks 0-2 of the prefill cache
     truth = torch.randn(2, layers, 2, *shape, generator=torch.Generator().manual_seed(5))  # [prompt, layer, k/v]
-    tables = {"in-a-row": (4, 5, 6), "scattered": (7, 1, 3), "broken": (4, 5, 6), "after": (4, 5, 6)}
+    tables = {"in-a-row": (4, 5, 6), "scattered": (7, 1, 3), "broken": (8, 9, 10), "after": (12, 13, 14)}
     if rank == 0:
         def sink(rid: str) -> PlanSink:
             target = DecodeLayout(head_ranges=((0, 3),), block_size=16, block_table=tables[rid])
@@ -522,8 +536,8 @@ def p2p_announced_worker(rank: int, port: int, results) -> None:
         sender = TorchP2PSender(group, "broken", 1)
         sender.open(last_layer=2)
         rows = truth[0, 0, 0].view(-1, 3, 4)
-        sender.send_runs(0, [(64, 40)], rows[:40], rows[:40])
-        sender.send_runs(1, [(64, 20), (84, 20)], rows[:40], rows[:40])  # the same rows, other runs: a new run
+        sender.send_runs(0, [(128, 40)], rows[:40], rows[:40])
+        sender.send_runs(1, [(128, 20), (148, 20)], rows[:40], rows[:40])  # the same rows, other runs: a new run
         try:
             outcomes.append(sender.finish().bytes)
         except TransferError as e:
@@ -536,20 +550,20 @@ def p2p_announced_worker(rank: int, port: int, results) -> None:
     else:
         kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(layers)]
         writer = KVReceiver(kv, tables.get, on_landed=lambda rid: None)
-        receiver = TorchP2PReceiver(group, writer)
+        receiver = TorchP2PReceiver(group, writer, sources=[0])
         assert receiver.wait_for([(0, "in-a-row"), (0, "scattered")], timeout_s=60)
         exact = all(torch.equal(kv[layer][which].view(-1, 3, 4)[run_rows([(b * 16, 16) for b in table])][:tokens],
                                 truth[prompt, layer, which].view(-1, 3, 4)[:tokens])
                     for prompt, table in enumerate((tables["in-a-row"], tables["scattered"]))
                     for layer in range(layers) for which in range(2))
         assert receiver.wait_for([(0, "after")], timeout_s=60)
-        exact_after = all(torch.equal(kv[layer][which].view(-1, 3, 4)[64:64 + tokens],
+        exact_after = all(torch.equal(kv[layer][which].view(-1, 3, 4)[192:192 + tokens],
                                       truth[1, layer, which].view(-1, 3, 4)[:tokens])
                           for layer in range(layers) for which in range(2))
         with writer.lock:
             open_landings = sum(writer.landings(rid) for rid in tables)
         results.put((exact, exact_after, open_landings, len(receiver._streams)))
-    group.barrier().wait()
+    leave_receivers_first(group, 1)
 
 
 def test_torch_p2p_announced_layers_land_or_buffer_exactly_and_a_broken_run_is_refused_without_a_trace():
@@ -577,7 +591,7 @@ def p2p_dead_receiver_worker(rank: int, port: int, results) -> None:
     group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
     if rank == 1:
         kv = [(torch.zeros(64, 16, 3, 64), torch.zeros(64, 16, 3, 64)) for _ in range(2)]
-        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: tuple(range(64))))
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: tuple(range(64))), sources=[0])
         while not receiver._written:
             time.sleep(0.001)
         os._exit(0)  # killed mid-push: no goodbye on the group
@@ -662,13 +676,55 @@ def test_a_reservation_that_ends_mid_landing_is_told_when_the_landing_closes_eve
     assert landed == ["r"]  # a landing that closes while its reservation lives is nobody's business
 
 
+def p2p_idle_worker(rank: int, port: int, results) -> None:
+    """Rank 0 pushes, stays silent past the group's 2 s operation timeout (a prefill between requests), and
+    pushes again. The group is formed as decode's pair groups are: its idle waits are a year."""
+    import datetime
+
+    from engine.parallel.groups import IDLE, rendezvous, stateless_group
+    from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
+
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2,
+                            timeout=datetime.timedelta(seconds=2), idle_timeout=IDLE)
+    tables = {"before": (0,), "after": (1,)}
+    if rank == 0:
+        sent = []
+        for request_id, pause in (("before", 4), ("after", 0)):
+            keys = torch.full((16, 3, 8), float(tables[request_id][0] + 1))
+            sender = TorchP2PSender(group, request_id, 1)
+            sender.send_runs(0, [(16 * tables[request_id][0], 16)], keys, -keys)
+            sent.append(sender.finish().bytes)
+            time.sleep(pause)
+        results.put(sent)
+    else:
+        kv = [(torch.zeros(2, 16, 3, 8), torch.zeros(2, 16, 3, 8))]
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, tables.get), sources=[0])
+        arrived = receiver.wait_for([(0, "before"), (0, "after")], timeout_s=30)
+        results.put((arrived, kv[0][0][:, 0, 0, 0].tolist(), kv[0][1][:, 0, 0, 0].tolist()))
+    leave_receivers_first(group, 1)
+
+
+def test_a_pair_silent_past_its_operation_timeout_still_carries_the_next_push():
+    import torch.multiprocessing as mp
+
+    from tests.test_allreduce import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(p2p_idle_worker, args=(free_port(), results), nprocs=2)
+    first, second = results.get(), results.get()
+    sent, received = (first, second) if isinstance(first, list) else (second, first)
+    assert sent == [2 * 16 * 3 * 8 * 4] * 2
+    assert received == (True, [1.0, 2.0], [-1.0, -2.0])
+
+
 def p2p_dying_sender_worker(rank: int, port: int, results, die) -> None:
     """Rank 0 sends a layer's descriptor and header, then dies before its payload; rank 1 is landing it, and
-    its owner ends the reservation meanwhile."""
-    from engine.parallel.groups import rendezvous, stateless_group
+    its owner ends the reservation meanwhile. The group waits a year for a message, as decode's pair groups do:
+    the receiver learns of the death from the connection, not a timeout."""
+    from engine.parallel.groups import IDLE, rendezvous, stateless_group
     from kvtransfer.torch_p2p import DTYPE_CODES, TAG_DESCRIPTOR, TAG_HEADER, Kind, TorchP2PReceiver, _header
 
-    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
+    group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2, idle_timeout=IDLE)
     if rank == 0:
         header = _header("r", [(16, 4)])
         group.send([torch.tensor([Kind.DATA, 0, 0, header.numel(), DTYPE_CODES[torch.float32], 4, 3, 8, 0])], 1,
@@ -678,7 +734,7 @@ def p2p_dying_sender_worker(rank: int, port: int, results, die) -> None:
         os._exit(0)  # killed mid-message: no goodbye on the group
     landed, exited = [], threading.Event()
     _, tables, writer = landing_receiver(on_landed=landed.append)
-    TorchP2PReceiver(group, writer, on_exit=exited.set)
+    TorchP2PReceiver(group, writer, sources=[0], on_exit=exited.set)
     deadline = time.monotonic() + 60
     while not writer.landings("r") and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -727,10 +783,10 @@ def p2p_late_receiver_worker(rank: int, port: int, results) -> None:
     else:
         time.sleep(1.0)
         kv = [(torch.zeros(shape), torch.zeros(shape))]
-        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: table, on_landed=lambda rid: None))
+        receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: table, on_landed=lambda rid: None), sources=[0])
         assert receiver.wait_for([(0, "r")], timeout_s=60)
         results.put(torch.equal(kv[0][0], truth[0]) and torch.equal(kv[0][1], truth[1]))
-    group.barrier().wait()
+    leave_receivers_first(group, 1)
 
 
 def test_a_push_from_views_of_the_cache_is_sent_before_the_step_that_made_it_ends():

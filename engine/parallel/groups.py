@@ -44,7 +44,9 @@ def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *,
                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, idle_timeout: datetime.timedelta | None = None,
                     host: str = "", lazy: bool = False) -> dist.ProcessGroup:
     """A process group named `name` among `world_size` ranks sharing `store`. Forming it waits at most
-    `timeout`; its operations wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`.
+    `timeout`; its collectives wait `idle_timeout` if given (a rank that waits for work: a year), else `timeout`.
+    Gloo's point-to-point waits take `timeout` whatever `idle_timeout` says: a receive that may idle longer
+    passes its own (`work.wait(IDLE)`), as a timed-out wait closes the group's connections.
     `host`: the address this rank's gloo connections use ("": the one this host's name resolves to). `lazy`:
     gloo connects each pair of ranks on its first message, not all of them while the group forms."""
     if not 0 <= rank < world_size:
