@@ -33,7 +33,7 @@ from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer import grpc_stream, shared_memory, shm_arena  # noqa: E402
 from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
 from kvtransfer.sink import PlanSink  # noqa: E402
-from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender  # noqa: E402
+from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender, part_receivers_first  # noqa: E402
 from kvtransfer.transport import KVReceiver  # noqa: E402
 from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
 
@@ -128,7 +128,7 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
         floor = torch.empty(LAYERS * 2 * tokens * HEADS * HEAD_DIM, dtype=torch.bfloat16)
         for _ in range(repeats):
             group.recv([floor], 0, 99).wait()
-        group.barrier().wait()
+        part_receivers_first(group, 1)
         return
     kv = cache(blocks)
     times, floors = [], []
@@ -140,7 +140,7 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
         start = time.perf_counter()
         group.send([one_tensor], 1, 99).wait()
         floors.append(time.perf_counter() - start)
-    group.barrier().wait()
+    part_receivers_first(group, 1)
     results.put((statistics.median(times), statistics.median(floors)))
 
 

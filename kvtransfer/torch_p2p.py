@@ -56,7 +56,7 @@ from engine.parallel.groups import IDLE
 from engine.threads import off_the_engine_thread
 from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError
 
-TAG_DESCRIPTOR, TAG_HEADER, TAG_ACK = 1, 2, 4
+TAG_DESCRIPTOR, TAG_HEADER, TAG_ACK, TAG_PARTING = 1, 2, 4, 8
 TAG_STREAMS, STREAM_TAGS = 1 << 8, 1 << 30  # stream s's payloads: tag TAG_STREAMS + s % STREAM_TAGS
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -96,6 +96,17 @@ class _Announced:
 
     def takes(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor) -> bool:
         return (layer, runs, tuple(keys.shape), keys.dtype) == (self.next, self.runs, self.shape, self.dtype)
+
+
+def part_receivers_first(group, sources: int) -> None:
+    """For a pair's processes that end together (tests, benchmarks): the receiving ranks (those past the first
+    `sources`) leave first, as a source leaving first could wake their receive threads while their interpreter
+    shuts down (the module's docstring). A source returns once every receiving rank has closed its connection."""
+    group.barrier().wait()
+    if group.rank() < sources:
+        for peer in range(sources, group.size()):
+            with contextlib.suppress(RuntimeError):  # the peer closed the pair: it has left
+                group.recv([torch.zeros(1)], peer, TAG_PARTING).wait()
 
 
 class TorchP2PSender(KVSender):
