@@ -147,8 +147,8 @@ def test_cpu_paged_decode_kernel_takes_a_kv_head_map():
 
 def test_cpu_paged_decode_kernel_is_batch_and_thread_invariant():
     """A sequence's output is bit for bit the same alone or in a batch, on one thread or two: its chunks and
-    their merge order depend only on its length (the batch, 2,205 rows, is spread over the threads; each alone
-    is attended on the calling thread)."""
+    their merge order depend only on its length (the batch is spread over the threads; each alone, with torch
+    on one thread, is attended on the calling thread)."""
     g = torch.Generator().manual_seed(2)
     q, k_cache, v_cache, tables, lens = _paged_case(g, batch=3, heads=9, kv_heads=3, head_dim=64,
                                                     lens=[1500, 5, 700], dtype=torch.bfloat16)

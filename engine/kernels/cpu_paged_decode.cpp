@@ -8,16 +8,14 @@
 //                                 step's RoPE, cache write and the same attention in one call (engine.attention,
 //                                 fused_decode)
 //
-// Work items are (sequence, chunk of CHUNK tokens), spread over torch's intra-op threads (a batch of short
-// contexts runs on the calling thread: PARALLEL_MIN_ROWS). Each item walks its tokens through the block
-// table (no gather of the context), reads each KV head's part of a row once for all the query heads that
-// share it, with rows prefetched ahead, and keeps float32 partials: scores, softmax numerators and the
-// weighted sum of values (bf16 scores on AVX512-BF16 dot products where the CPU has them). The chunks of a
-// sequence are then merged by log-sum-exp in chunk order (a sequence of one chunk by its item). Chunks are
-// fixed in size, so a sequence's result does not depend on the batch it runs in or the number of threads.
-// paged_decode's shapes and dtypes are checked by its Python wrapper (engine/kernels/cpu_decode.py),
-// decode_attention's here, and the block tables, lengths and slots here: every row read or written lies in
-// the cache.
+// Work items are (sequence, chunk of CHUNK tokens), spread over torch's intra-op threads. Each item walks its tokens
+// through the block table (no gather of the context), reads each KV head's part of a row once for all the query heads
+// that share it, with rows prefetched ahead, and keeps float32 partials: scores, softmax numerators and the weighted
+// sum of values (bf16 scores on AVX512-BF16 dot products where the CPU has them). The chunks of a sequence are then
+// merged by log-sum-exp in chunk order (a sequence of one chunk by its item). Chunks are fixed in size, so a sequence's
+// result does not depend on the batch it runs in or the number of threads. paged_decode's shapes and dtypes are checked
+// by its Python wrapper (engine/kernels/cpu_decode.py), decode_attention's here, and the block tables, lengths and
+// slots here: every row read or written lies in the cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -244,10 +242,6 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int6
   }
 }
 
-// Context rows (summed over the batch) below which the calling thread attends them all: a parallel region's
-// start and end cost more than it saves (32 x 30 rows: 57 us on one thread, 64 on two).
-constexpr int64_t PARALLEL_MIN_ROWS = 2048;
-
 // q: `batch` rows of `heads` x head_dim, row b at qp + b * q_stride; out [batch, heads, head_dim]
 template <typename T>
 void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::Tensor& k_cache,
@@ -259,7 +253,6 @@ void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::
   const int32_t* len = lens.data_ptr<int32_t>();
   std::vector<int64_t> first_item(batch + 1, 0);  // the work items of sequence b: [first_item[b], first_item[b + 1])
   const int64_t* tp = tables.data_ptr<int64_t>();
-  int64_t context_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {  // every row read lies in the cache
     TORCH_CHECK(len[b] >= 1 && len[b] <= max_blocks * s.block_size, "context_lens[", b, "] = ", len[b],
                 " must be in [1, ", max_blocks * s.block_size, "]");
@@ -267,7 +260,6 @@ void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::
       TORCH_CHECK(tp[b * max_blocks + i] >= 0 && tp[b * max_blocks + i] < k_cache.size(0), "block_tables[", b, ", ",
                   i, "] = ", tp[b * max_blocks + i], " is not a block of the cache");
     first_item[b + 1] = first_item[b] + (len[b] + CHUNK - 1) / CHUNK;
-    context_rows += len[b];
   }
   const int64_t items = first_item[batch], HD = heads * s.head_dim;
 
@@ -317,8 +309,7 @@ void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::
       if (first_item[b + 1] - first_item[b] == 1) finish(b, merged.data());  // one chunk: done here
     }
   };
-  if (context_rows < PARALLEL_MIN_ROWS) attend_items(0, items);
-  else parallel_for(items, attend_items);
+  parallel_for(items, attend_items);  // short contexts too: their rows come from memory (bench/RESULTS.md)
 
   std::vector<float> merged(s.head_dim);  // sequences of several chunks, on this thread: little work
   for (int64_t b = 0; b < batch; ++b)
