@@ -85,6 +85,26 @@ def test_bf16_logits_sample_what_their_float32_copy_samples():
     assert lps == want_lps
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_argmax_kernel_gives_torchs_first_maximal_index(dtype):
+    """Greedy rows on CPU take the kernels' `argmax_rows`: torch.max's index in every case torch defines:
+    ties (the first), a NaN (the first NaN), rows of -inf, +inf, rows shorter and longer than a vector."""
+    from engine.kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 5, 16, 17, 1000, 49157):
+        for rows in (1, 3, 32):
+            ties = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)
+            plain = torch.randn(rows, vocab, generator=g).to(dtype)
+            nans = plain.clone()
+            nans[0, vocab // 2] = nans[0, -1] = nans[-1, 0] = float("nan")
+            infinite = plain.clone()
+            infinite[-1, -1] = float("inf")
+            for logits in (ties, plain, nans, infinite, torch.full((rows, vocab), float("-inf"), dtype=dtype)):
+                assert torch.equal(cpu_ops.ops().argmax_rows(logits), logits.max(dim=-1).indices)
+    assert sample(ties, [SamplingParams(temperature=0)] * rows, [None] * rows)[0] == ties.max(dim=-1).indices.tolist()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
