@@ -2,8 +2,8 @@
 
 Each row of a step's logits (in the model's dtype) belongs to one sequence with its own
 `SamplingParams`. Greedy rows take the argmax as they are (the same index as in float32: up-casting is
-exact and keeps the order), on CPU from the kernels' `argmax_rows` (at [32, 49152] in bf16 0.05 ms against
-torch's `max` 0.67 and 0.82 with the float32 copy).
+exact and keeps the order), on CPU from the kernels' `argmax_rows` (at [32, 49152] in bf16 0.19 ms against
+torch's `max` 1.18).
 Other rows are up-cast to float32, scaled by temperature, filtered by
 top-k and top-p, and drawn by inverse CDF from one uniform number per row; a row
 whose request has a seed draws that number from its own generator, so the same
