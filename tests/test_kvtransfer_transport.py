@@ -555,15 +555,21 @@ def p2p_announced_worker(rank: int, port: int, results) -> None:
     part_receivers_first(group, 1)
 
 
-def test_torch_p2p_announced_layers_land_or_buffer_exactly_and_a_broken_run_is_refused_without_a_trace():
+def sent_and_received(pair_worker) -> tuple:
+    """`pair_worker(rank, port, results)` run on two spawned ranks: (what the sender put, a list; what the
+    receiver put)."""
     import torch.multiprocessing as mp
 
     from tests.test_allreduce import free_port
 
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(p2p_announced_worker, args=(free_port(), results), nprocs=2)
+    mp.spawn(pair_worker, args=(free_port(), results), nprocs=2)
     first, second = results.get(), results.get()
-    sent, received = (first, second) if isinstance(first, list) else (second, first)
+    return (first, second) if isinstance(first, list) else (second, first)
+
+
+def test_torch_p2p_announced_layers_land_or_buffer_exactly_and_a_broken_run_is_refused_without_a_trace():
+    sent, received = sent_and_received(p2p_announced_worker)
     layer_bytes = 2 * 40 * 3 * 4 * 4  # k/v x tokens x heads x dim x fp32
     assert sent[:2] == [3 * layer_bytes] * 2 and sent[3] == 3 * layer_bytes
     assert "refused KV of 'broken'" in sent[2] and "cut an announced run of layers short" in sent[2]
@@ -694,14 +700,7 @@ def p2p_idle_worker(rank: int, port: int, results) -> None:
 
 
 def test_a_pair_silent_past_its_operation_timeout_still_carries_the_next_push():
-    import torch.multiprocessing as mp
-
-    from tests.test_allreduce import free_port
-
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(p2p_idle_worker, args=(free_port(), results), nprocs=2)
-    first, second = results.get(), results.get()
-    sent, received = (first, second) if isinstance(first, list) else (second, first)
+    sent, received = sent_and_received(p2p_idle_worker)
     assert sent == [2 * 16 * 3 * 8 * 4] * 2
     assert received == (True, [1.0, 2.0], [-1.0, -2.0])
 
