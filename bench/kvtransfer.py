@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
+from engine.heap import keep_freed_heap  # noqa: E402
 from engine.kv_cache import KVStripe  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer import grpc_stream, shared_memory, shm_arena  # noqa: E402
@@ -68,6 +69,7 @@ def push(sender, kv, tokens: int) -> None:
 
 def serve_stream(module: str, tokens: int, ports, stop) -> None:
     """The decode side of a gRPC-stream-protocol transport, in a process of its own (as decode runs)."""
+    keep_freed_heap()  # as every engine process (engine.heap)
     torch.set_num_threads(1)  # one core each, as p2p's ranks
     transport = importlib.import_module(module)
     src, dst = layouts(tokens)
@@ -118,6 +120,7 @@ def memcpy_seconds(total: int, repeats: int) -> float:
 
 
 def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None:
+    keep_freed_heap()
     torch.set_num_threads(1)
     group = stateless_group(rendezvous("127.0.0.1", port, rank, 2), "pair", rank, 2)
     src, dst = layouts(tokens)
@@ -149,6 +152,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    keep_freed_heap()  # this process sends, as a prefill rank
     tokens, repeats = (64, 2) if args.quick else (args.tokens, 5)
     total = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 2
     grpc_s, shm_s = bench_stream(grpc_stream, tokens, repeats), bench_stream(shared_memory, tokens, repeats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.heap import keep_freed_heap
 from engine.huge_pages import to_huge_pages
 from engine.kernels import cpu_ops
 from engine.kv_cache import allocate_kv_cache
@@ -68,6 +69,7 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
                                  memory=kv_memory)
+    keep_freed_heap()  # from here on a step's buffers reuse freed pages; the KV cache keeps mappings of its own
     if ctx.config.cp > 1:
         return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
     return ModelRunner(model, kv_cache, block_size, torch.device(device))
