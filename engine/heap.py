@@ -6,9 +6,9 @@ them: four 2,048-token prefills took 1.24 M page faults against 0.47 M with them
 1,057-1,064 against 1,196-1,258 tok/s; a gRPC stream receiving KV a layer at a time moved 0.91-1.00 against
 1.17-1.43 GB/s (bench/RESULTS.md, "the C heap kept"). `keep_freed_heap()` serves allocations up to
 `MMAP_THRESHOLD` from the heap and leaves up to `TRIM_THRESHOLD` of free memory at a heap's top mapped.
-The runner builder calls it once the model and KV cache are in place (`engine.parallel.parallelize`), so
-those keep their own mappings. Peak memory is unchanged (what is kept was in use a moment before). A no-op
-(False) where the C library is not glibc.
+The runner builder calls it once the model and KV cache are in place (`engine.parallel.parallelize`), an
+expert rank once its experts are (`ExpertShard`), so those keep mappings of their own. Peak memory is
+unchanged (what is kept was in use a moment before). A no-op (False) where the C library is not glibc.
 """
 
 from __future__ import annotations

@@ -7,13 +7,22 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 REALLOCATE = """
 import ctypes, resource, sys
 from engine.heap import keep_freed_heap
 kept = keep_freed_heap() if sys.argv[1] == "keep" else None
-if sys.argv[1] not in ("keep", "default"):  # a checkpoint: an engine sets it as it builds its runner
+if sys.argv[1].startswith("engine:"):  # an engine sets it as it builds its runner
     from engine.llm import LLM
-    LLM(sys.argv[1], dtype="float32")
+    LLM(sys.argv[1].removeprefix("engine:"), dtype="float32")
+if sys.argv[1].startswith("experts:"):  # an expert rank as it takes its experts
+    import torch
+    from engine.model import build_model
+    from engine.parallel.expert_attach import ExpertShard
+    from engine.weights import load_checkpoint
+    checkpoint = load_checkpoint(sys.argv[1].removeprefix("experts:"), torch.float32)
+    ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, 1)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 SIZE = 16 << 20  # a prefill step's activation, in size
@@ -51,7 +60,8 @@ def test_by_default_the_second_allocation_faults_its_pages_in_again():
     assert counts[1] >= (16 << 20) // 4096 // 2, counts  # what the setting saves: the check above can fail
 
 
-def test_an_engine_process_keeps_its_freed_heap(tiny_checkpoint):
-    folder, _ = tiny_checkpoint("llama")
-    _, counts = faults(str(folder))
+@pytest.mark.parametrize("process, arch", [("engine", "llama"), ("experts", "mixtral")])
+def test_engine_and_expert_processes_keep_their_freed_heap(tiny_checkpoint, process, arch):
+    folder, _ = tiny_checkpoint(arch)
+    _, counts = faults(f"{process}:{folder}")
     assert max(counts[1:]) < (16 << 20) // 4096 // 20, counts

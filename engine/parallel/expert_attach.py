@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.heap import keep_freed_heap
 from engine.moe import SparseMoE, route
 from engine.parallel.ep import ExpertExchange, expert_placement, gather_shares
 from engine.parallel.tp import split_range
@@ -74,6 +75,7 @@ class ExpertShard:
         self.weights = [(_own(m.w_gate_up[local[0]:local[-1] + 1]), _own(m.w_down[local[0]:local[-1] + 1]))
                         for m in moes]  # per layer
         self.hidden, self.dtype, self.top_k = moes[0].w_gate_up.shape[2], moes[0].w_gate_up.dtype, moes[0].top_k
+        keep_freed_heap()  # the experts are in place: a step's buffers reuse freed pages, as an engine rank's
 
 
 def _own(experts: torch.Tensor) -> torch.Tensor:
