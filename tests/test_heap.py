@@ -62,3 +62,22 @@ def test_engine_and_expert_processes_keep_their_freed_heap(tiny_checkpoint, proc
     folder, _ = tiny_checkpoint(arch)
     _, found = reuses(f"{process}:{folder}")
     assert found[1:] == ["True", "True"], found
+
+
+def test_without_a_c_library_that_has_mallopt_it_changes_nothing(monkeypatch):
+    import ctypes
+
+    from engine import heap
+
+    class NoMallopt:  # a C library without the call (as some non-glibc ones)
+        def __init__(self, name):
+            pass
+
+    monkeypatch.setattr(ctypes, "CDLL", NoMallopt)
+    assert heap.keep_freed_heap() is False
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert heap.keep_freed_heap() is False
