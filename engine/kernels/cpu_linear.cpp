@@ -41,7 +41,7 @@ namespace {
 
 using namespace infermesh_cpu;
 
-constexpr int64_t MAX_ROWS = 8;    // the fma path
+constexpr int64_t MAX_ROWS = 8;    // the fma path in float32 (MKL's GEMM is faster past ~16 rows)
 constexpr int64_t WIDE_ROWS = 64;  // the amx and dot paths: every decode step of the default max_num_seqs
 constexpr int64_t AHEAD_BYTES = 2048;
 
@@ -85,6 +85,7 @@ void arrange_x(const T* x, float* out, int64_t k) {
 }
 
 // y[g * n] = scale * <w, x[g]> for the G rows of x (arranged, row stride k): one pass over the weight row.
+#if defined(__AVX512F__)
 template <int G, typename W, typename Y>
 void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t n) {
   f32x16 even[G] = {}, odd[G] = {};
@@ -106,10 +107,78 @@ void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t 
   }
 }
 
+// rows of x summed in one pass over a weight row, in registers
+constexpr int64_t GROUP = 8;
+#else
+// Without AVX-512 GCC keeps a vector of 16 floats in two registers and moves its halves through the stack
+// (the loop above read 3.4 GB/s of float32 weights at 8 rows on an AVX2 Zen 3, bench/RESULTS.md). The same
+// sums on vectors of 8: each 16-lane accumulator as its lanes 0-7 and 8-15, added at the end in sum16's
+// order, so every output has the bits the loop above gives it.
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A 32-weight step as load_step's two 16-lane vectors, in halves: a's lanes 0-7, 8-15, then b's.
+template <typename W>
+inline void load_step8(const W* w, f32x8 (&s)[4]) {
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 8; ++j) s[i][j] = to_float(w[8 * i + j]);
+}
+template <>
+inline void load_step8(const float* w, f32x8 (&s)[4]) {
+  for (int i = 0; i < 4; ++i) s[i] = load8(w + 8 * i);
+}
+template <>
+inline void load_step8(const c10::BFloat16* w, f32x8 (&s)[4]) {
+  u32x8 low, high;  // 32-bit lanes 0-7 and 8-15 of load_step's (one load each: as an array, through the stack)
+  std::memcpy(&low, w, sizeof low);
+  std::memcpy(&high, w + 16, sizeof high);
+  s[0] = (f32x8)(low << 16), s[1] = (f32x8)(high << 16);
+  s[2] = (f32x8)(low & 0xFFFF0000u), s[3] = (f32x8)(high & 0xFFFF0000u);
+}
+#if defined(__AVX2__)
+template <>
+inline void load_step8(const int8_t* w, f32x8 (&s)[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i));  // int8 weights 8i..8i+7
+    s[i] = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+  }
+}
+#endif
+
+inline float sum8(f32x8 a) {  // sum16's order from its halves' sum: quarters, then (b0 + b2) + (b1 + b3)
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+template <int G, typename W, typename Y>
+void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t n) {
+  f32x8 acc[G][4] = {};  // per row of x: even lanes 0-7, 8-15, odd lanes 0-7, 8-15
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(W)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(w + c) + AHEAD_BYTES + b);
+    f32x8 s[4];
+    load_step8(w + c, s);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] += s[i] * load8(x + g * k + c + 8 * i);
+  }
+  for (int g = 0; g < G; ++g) {
+    float sum = sum8((acc[g][0] + acc[g][2]) + (acc[g][1] + acc[g][3]));
+    for (int64_t t = c; t < k; ++t) sum += to_float(w[t]) * x[g * k + t];
+    y[g * n] = static_cast<Y>(sum * scale);
+  }
+}
+
+constexpr int64_t GROUP = 2;  // 8 accumulators: the 16 AVX2 registers hold them with a step's weights
+#endif
+
 // y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op
 // thread streams its range of weight rows, once per GROUP rows of x (past the first group from cache).
-constexpr int64_t GROUP = 8;  // rows of x summed in one pass over a weight row, in registers
-
 template <typename W, typename Y>
 void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, Y* y, int64_t n) {
   parallel_for(n, [&](int64_t begin, int64_t end) {
@@ -439,7 +508,9 @@ std::string linear_path(c10::ScalarType dtype) {
 }
 
 // How many rows `linear` takes in this dtype.
-int64_t linear_rows(c10::ScalarType dtype) { return linear_path_of(dtype) == Bf16Path::fma ? MAX_ROWS : WIDE_ROWS; }
+int64_t linear_rows(c10::ScalarType dtype) {
+  return linear_path_of(dtype) != Bf16Path::fma || dtype != at::kFloat ? WIDE_ROWS : MAX_ROWS;
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
