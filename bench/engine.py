@@ -23,7 +23,6 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
 from engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-from engine.dtypes import resolve_dtype  # noqa: E402
 from engine.model_info import resolve_model  # noqa: E402
 from engine.weights import load_checkpoint  # noqa: E402
 
@@ -96,8 +95,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     header = (
         f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"dtype auto = {resolve_dtype('auto', 'cpu')}\n\n"
+        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
         f"| engine | dtype | {' | '.join(f'decode b{b} tok/s' for b in batches)} | prefill {prefill} tok/s |\n"
         f"|---|---|{'---|' * len(batches)}---|"
     )

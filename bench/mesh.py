@@ -4,7 +4,7 @@ gRPC), one after the other on this machine; what the router adds to the time to 
 one-token request to the router and straight to decode's Decode, alternately); and a matmul timed on
 the main thread and on another one (the reason a service drives its engine from its main thread).
 
-    python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype auto] [--ttft-samples 100]
+    python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16] [--ttft-samples 100]
                          [--no-batch-invariant]
 """
 
@@ -25,7 +25,6 @@ sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a packa
 
 from bench.up import running_mesh  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.dtypes import resolve_dtype  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc  # noqa: E402,E501
 
@@ -123,12 +122,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ttft-samples", type=int, default=100)
     parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                         help="1-8 rows through the few-row kernel, in-process and in the mesh")
     args = parser.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # auto: what this host computes fastest in, named
     engine = in_process(args.streams, args.tokens, args.dtype, args.batch_invariant)
     mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples, args.batch_invariant)
     print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process |\n|---|---|---|---|")

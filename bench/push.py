@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
 from bench.up import running_mesh  # noqa: E402
-from engine.dtypes import resolve_dtype  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
@@ -55,11 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=10)  # five read 1.05-1.16 for the same layout in one hour
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     args = parser.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # auto: what this host computes fastest in, named
     tokens, requests = (128, 2) if args.quick else (args.prompt_tokens, args.requests)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, VOCAB) for _ in range(tokens)] for _ in range(requests + 1)]

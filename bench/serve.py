@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
 from bench.up import running_mesh  # noqa: E402
-from engine.dtypes import resolve_dtype  # noqa: E402
 from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
@@ -112,14 +111,13 @@ def main() -> None:
     parser.add_argument("--document-tokens", type=int, default=4000)
     parser.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.25, help="seconds")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--cpus", default="split", choices=["split", "shared"], help="infermesh up --cpus")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="infermesh up's: a step's tokens")
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT and TPOT per layout")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 small requests, two layouts")
     args = parser.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # auto: what this host computes fastest in, named
     if args.quick:
         args.requests, args.rate, args.document_tokens, args.document_share = 4, 4.0, 300, 0.5
         args.layouts = ["colocated", "disaggregated"]

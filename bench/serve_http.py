@@ -35,7 +35,6 @@ import httpx
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # repo root, not bench/: no script here shadows a package
 
-from engine.dtypes import resolve_dtype  # noqa: E402
 from engine.model_info import load_model_info  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
@@ -141,13 +140,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--aiperf", default=shutil.which("aiperf") or "aiperf")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=64)
     args = parser.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # auto: what this host computes fastest in, named
     work = Path(tempfile.mkdtemp(prefix="serve-http-"))
     (work / "tokenizer").mkdir()
     export_tokenizer(args.model, work / "tokenizer")

@@ -20,7 +20,6 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import check_quantization
-from engine.dtypes import resolve_dtype, torch_dtype
 from engine.errors import KVCacheFull, NoReservation, RequestError
 from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
@@ -37,10 +36,12 @@ from engine.step_plan import plan_step
 from engine.tokenizer import IncrementalDetokenizer
 from engine.weights import Checkpoint
 
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
-    dtype: str = "auto"  # or float32, bfloat16, float16 (engine/dtypes.py: auto is bf16 where the device computes it)
+    dtype: str = "bfloat16"
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # per rank: a context-parallel instance of N ranks holds N times this
@@ -57,14 +58,15 @@ class EngineConfig:
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:
-        resolve_dtype(self.dtype, self.device)  # a name it knows
+        if self.dtype not in DTYPES_BY_NAME:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         check_quantization(self.quantization)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype, self.device)
+        return DTYPES_BY_NAME[self.dtype]
 
     @classmethod
     def from_settings(cls, settings) -> "EngineConfig":

@@ -61,7 +61,7 @@ class CompletionDelta:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
                  tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto",
                  experts: ExpertAttachment | None = None,
                  **engine_options) -> None:

@@ -18,7 +18,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from engine.dtypes import torch_dtype
+from engine.core import DTYPES_BY_NAME
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
@@ -119,7 +119,7 @@ class ExpertRank:
 def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str, *,
            host: str = "") -> None:
     """An expert follower rank: its share of the experts, served to every attachment until the instance stops."""
-    checkpoint = load_checkpoint(source, torch_dtype(dtype))
+    checkpoint = load_checkpoint(source, DTYPES_BY_NAME[dtype])
     store.set(f"ready/{rank}", "1")
     connect(store, rank, config, timeout=timeout, host=host)
     plans = plan_group(store, rank, config.world_size, host=host)

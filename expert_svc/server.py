@@ -18,7 +18,7 @@ import json
 import torch
 from opentelemetry.metrics import Observation
 
-from engine.dtypes import torch_dtype
+from engine.core import DTYPES_BY_NAME
 from engine.errors import RequestError, Unsupported
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig
@@ -63,7 +63,7 @@ class ExpertInstance(Instance):
         super().__init__(settings, instance_id, registry)
         s = settings
         self.book = AttachmentBook(s.host)
-        checkpoint = load_checkpoint(s.model, torch_dtype(s.dtype))
+        checkpoint = load_checkpoint(s.model, DTYPES_BY_NAME[s.dtype])
         self.shard = ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, s.ep)
         self.ranks = None
         if s.ep > 1:

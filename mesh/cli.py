@@ -21,7 +21,6 @@ import typer
 
 from mesh import cli_admin, tls
 
-DTYPE_HELP = "auto (bfloat16 where the CPU or GPU computes it, else float32) | float32 | bfloat16 | float16."
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="infermesh: serve LLMs as a mesh of disaggregated roles.")
 
@@ -47,7 +46,7 @@ def generate(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens; 0 disables."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="Off: faster CPU decode at 1-8 rows on CPUs without AMX or AVX512-BF16 "
@@ -190,7 +189,7 @@ def up(
     registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
     trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
     metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="Off: faster CPU decode at 1-8 streams on CPUs without AMX or "

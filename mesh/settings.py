@@ -57,7 +57,7 @@ class RankedSettings(ServiceSettings):
     """An instance of ranks (prefill, decode, expert): rank 0 hosts their rendezvous on host:rendezvous_port;
     the first `local_ranks` ranks run here (None: all), the others join from elsewhere (`infermesh rank`)."""
 
-    dtype: str = "auto"  # engine/dtypes.py: bf16 where the device computes it, else float32
+    dtype: str = "bfloat16"
     rendezvous_port: int = 0  # 0: any free port (fix it when ranks join from other hosts)
     local_ranks: int | None = None
     cpus: str = ""  # the cores its local ranks run on, e.g. 0-3 (engine.cpus); "": every core the process may use

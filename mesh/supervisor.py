@@ -63,7 +63,7 @@ class MeshSpec:
     registry: str = "memory"
     trace: str = "none"
     metrics: str = "none"
-    dtype: str = "auto"  # engine/dtypes.py: bf16 where the device computes it, else float32
+    dtype: str = "bfloat16"
     quantization: str = "none"  # or int8 (prefill and decode weights)
     batch_invariant: bool = True  # false: the few-row CPU kernel on prefill and decode (engine/model.py, Linear)
     kv_cache_bytes: int = 1 << 30

@@ -56,7 +56,7 @@ def test_a_layout_that_does_not_fit_exits_2_naming_the_factors(tiny_checkpoint):
     (["--top-k", "-2", "--target", "127.0.0.1:1"], "error: top_k must be >= 0"),
     (["--top-k", "-2"], "error: top_k must be >= 0"),
     (["--model", "missing-model"], "error: unknown model 'missing-model'"),
-    (["--dtype", "int8"], "error: dtype must be one of auto, float32, bfloat16, float16, got 'int8'"),
+    (["--dtype", "int8"], "error: dtype must be one of float32, bfloat16, float16, got 'int8'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     proc = run("generate", "hi", *args)

@@ -10,7 +10,7 @@ from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings, load
 def test_environment_overrides_defaults_and_flags_override_the_environment():
     env = {"INFERMESH_TP": "2", "INFERMESH_PORT": "7001", "INFERMESH_HEARTBEAT_S": "0.5"}
     s = load(DecodeSettings, {"port": 7002, "dtype": None}, env)
-    assert (s.tp, s.port, s.heartbeat_s, s.dtype) == (2, 7002, 0.5, "auto")
+    assert (s.tp, s.port, s.heartbeat_s, s.dtype) == (2, 7002, 0.5, "bfloat16")
 
 
 def test_a_bad_variable_is_named_with_its_value():
