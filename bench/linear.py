@@ -1,8 +1,8 @@
 """The linear layers of a small-batch decode step alone: SmolLM2's 120 projection weights (30 layers of qkv,
 o, gate_up, down; 212 MB of bf16, read from memory as in the model), multiplied by M rows each. torch's way
 (`mv` for one row, `F.linear` for more) against the few-row C++ kernel (engine/kernels/cpu_linear.cpp:
-bf16 on AMX tiles or AVX512-BF16 dot products where the CPU has them, up to 64 rows; float32 FMAs elsewhere,
-up to 8), with the weights in 4 KiB pages and in huge pages (engine/huge_pages.py), and the floor: reading
+AMX tiles or AVX512-BF16 dot products where the CPU has them, else float32 FMAs; up to 64 rows, 8 in
+float32), with the weights in 4 KiB pages and in huge pages (engine/huge_pages.py), and the floor: reading
 the same bytes once (an int32 max over each weight).
 
     python bench/linear.py [--quick] [--rows 1 4 8 16 32 64]

@@ -51,10 +51,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     seed: int | None = None  # for requests without a seed of their own
     quantization: str = "none"  # or int8: weight-only, for low-latency decode at few streams (engine/quantize.py)
-    # False: CPU decode through infermesh's few-row kernel wherever it runs (1-8 rows in fp32/fp16 or without
-    # AMX and AVX512-BF16), faster, its rows matching each other in any such batch but not what torch's GEMM
-    # gives larger ones. bf16 with AMX or AVX512-BF16 takes the kernel either way: up to 64 rows, invariant
-    # (engine/model.py, Linear)
+    # False: float32 CPU decode through infermesh's few-row kernel (1-8 rows), faster, its rows matching each
+    # other in any such batch but not what torch's GEMM gives larger ones. bf16 and fp16 take the kernel either
+    # way: up to 64 rows, invariant (engine/model.py, Linear)
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:

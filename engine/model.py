@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, RotaryEmbedding, fused_decode, paged_attention, rotate_
+from engine.bf16 import cpu_computes_bf16
 from engine.config import ModelConfig
 from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
@@ -46,15 +47,21 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+# torch's GEMM gives a bf16 row the bits `mv` gives it in batches of up to this many rows: batch-invariant, the
+# engine hands rows to the few-row kernel only where it takes as many or more (engine/parallel/parallelize.py)
+INVARIANT_ROWS = 32
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` with two CPU paths for decode at small batch.
+    """`nn.Linear` with CPU paths for decode at small batch, and for bf16 on a CPU without bf16 arithmetic.
 
     1 to `few_rows` rows (set by engine/parallel/parallelize.py, `few_rows`) go through the C++ few-row
-    kernel (engine/kernels/cpu_linear.cpp: bf16 on AMX tiles or AVX512-BF16, up to 64 rows), which reads
-    the weight near a plain read's speed and sums every output in one order: a row gets the same bits in any
-    batch it takes, not what torch's GEMM gives it. Otherwise one bf16 row is multiplied as a matrix-vector
-    product, bit for bit what the row gets inside a batched `F.linear` (torch's GEMM, up to 32 rows), and
-    torch's `mv` reads the weight ~1.5x faster than its `mm` with one row (on AMX CPUs)."""
+    kernel (engine/kernels/cpu_linear.cpp: up to 64 rows, 8 in float32), which reads the weight near a plain
+    read's speed and sums every output in one order: a row gets the same bits in any batch it takes, not what
+    torch's GEMM gives it. Otherwise one bf16 row is multiplied as a matrix-vector product, bit for bit what
+    the row gets inside a batched `F.linear` (torch's GEMM, up to INVARIANT_ROWS), and torch's `mv` reads the
+    weight ~1.5x faster than its `mm` with one row (on AMX CPUs). On a CPU without bf16 arithmetic
+    (engine/bf16.py) more bf16 rows than that (a prompt) are multiplied in float32 and rounded once."""
 
     few_rows = 0
 
@@ -65,6 +72,10 @@ class Linear(nn.Linear):
         if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and self.bias is None:
             return torch.mv(self.weight, x[0]).unsqueeze(0)  # [1, out]
+        if x.shape[0] > INVARIANT_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
+                and not cpu_computes_bf16():
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # torch's bf16 GEMM: ~8x slower
         return F.linear(x, self.weight, self.bias)
 
 

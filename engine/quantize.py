@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.bf16 import cpu_computes_bf16
 from engine.kernels import cpu_ops
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -73,6 +74,8 @@ class Int8Linear(nn.Module):
                 out = cpu_ops.ops().linear_int8(x, self.weight, self.scale)
             else:
                 out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale.to(x.dtype))
+        elif x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_computes_bf16():  # engine/bf16.py
+            out = (F.linear(x.float(), self.weight.float()) * self.scale.float()).to(x.dtype)
         else:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return out if self.bias is None else out + self.bias

@@ -49,8 +49,7 @@ def generate(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster CPU decode at 1-8 rows on CPUs without AMX or AVX512-BF16 "
-                                              "(engine/model.py, Linear)."),
+                                         help="Off: faster float32 CPU decode at 1-8 rows (engine/model.py, Linear)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
@@ -192,9 +191,9 @@ def up(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster CPU decode at 1-8 streams on CPUs without AMX or "
-                                              "AVX512-BF16; a row's result then depends on whether its batch has "
-                                              "more than 8 (engine/model.py, Linear)."),
+                                         help="Off: faster float32 CPU decode at 1-8 streams; a row's result "
+                                              "then depends on whether its batch has more than 8 (engine/model.py, "
+                                              "Linear)."),
     max_num_batched_tokens: int = typer.Option(
         2048, help="Tokens an engine step takes (prompt chunks and decode rows): smaller chunks a long prompt's "
                    "prefill, so streams decoding beside it wait less per step, and it takes longer."),

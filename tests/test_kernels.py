@@ -494,21 +494,20 @@ def check_int8_linear(ops, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_int8_linear_kernel_matches_float64_and_gives_a_row_the_same_result_in_any_batch(dtype):
     """On this CPU's path: bf16 on AVX512-BF16 (dot: 64 rows; 1-3 as 16 weight rows side by side, more through
-    bf16 copies of 4), else float32 FMAs (16 rows)."""
+    bf16 copies of 4), else float32 FMAs (64 rows in bf16, 16 in float32)."""
     ops = cpu_ops.ops()
-    dot = dtype == torch.bfloat16 and best_bf16_path() != "fma"
-    assert ops.linear_int8_rows(dtype) == (64 if dot else 16)
+    assert ops.linear_int8_rows(dtype) == (64 if dtype == torch.bfloat16 else 16)
     check_int8_linear(ops, dtype)
 
 
 def test_int8_weights_capped_to_the_fma_path_hold_the_same_contract():
-    """INFERMESH_CPU_BF16=fma: bf16 activations take the float32-FMA int8 path (16 rows), as on a CPU without
+    """INFERMESH_CPU_BF16=fma: bf16 activations take the float32-FMA int8 path (64 rows), as on a CPU without
     AVX512-BF16."""
     done = with_bf16_cap("fma", """
 import torch
 from engine.kernels import cpu_ops
 from tests.test_kernels import check_int8_linear
-assert cpu_ops.ops().linear_int8_rows(torch.bfloat16) == 16
+assert cpu_ops.ops().linear_int8_rows(torch.bfloat16) == 64
 check_int8_linear(cpu_ops.ops(), torch.bfloat16)
 """)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -530,7 +529,8 @@ def test_the_engine_sends_rows_to_the_few_row_kernel_where_it_is_invariant_as_fa
     """Batch-invariant (the default), a layer takes the kernel only where it keeps at least the rows torch's
     GEMM keeps invariant (32): bf16 on AMX or AVX512-BF16 (64 rows); without batch invariance, wherever it
     runs."""
-    from engine.parallel.parallelize import INVARIANT_ROWS, few_rows
+    from engine.model import INVARIANT_ROWS
+    from engine.parallel.parallelize import few_rows
     ops = cpu_ops.ops()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         most = ops.linear_rows(dtype)

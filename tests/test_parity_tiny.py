@@ -72,10 +72,10 @@ def test_decode_through_the_few_row_kernel_matches_transformers_and_is_invariant
 
 
 def test_bf16_rows_through_the_few_row_kernel_get_the_same_logits_bit_for_bit_in_any_company(tiny_checkpoint):
-    """bf16, every projection and the LM head through the few-row kernel (AMX or AVX512-BF16: up to 64 rows, so
-    40 here, in three tiles of x or ten groups of 4 rows; 8 elsewhere): one-token prompts keep every step
-    within the kernel's rows, and norms, RoPE and paged attention are per row, so each prompt's logits at
-    every step are bit for bit the ones it gets alone."""
+    """bf16, every projection and the LM head through the few-row kernel (up to 64 rows, so 40 here: on AMX in
+    three tiles of x, on AVX512-BF16 in ten groups of 4 rows, elsewhere in groups of 2 or 8): one-token
+    prompts keep every step within the kernel's rows, and norms, RoPE and paged attention are per row, so each
+    prompt's logits at every step are bit for bit the ones it gets alone."""
     from engine.parallel.parallelize import few_rows
     folder, _ = tiny_checkpoint("llama")
     llm = LLM(str(folder), dtype="bfloat16", batch_invariant=False)

@@ -1,10 +1,10 @@
 // A linear layer for a few rows of activations on CPU (decode), bound by reading the weight.
 //
 // infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, in x's dtype, for
-// 1 <= M <= linear_rows(dtype): 64 in bf16 where the CPU has AMX or AVX512-BF16, 8 otherwise
+// 1 <= M <= linear_rows(dtype): 64, but 8 in float32 (on the fma path MKL's GEMM is faster past ~16)
 // (linear_path(dtype) names the path: amx, dot or fma; INFERMESH_CPU_BF16=dot|fma caps it); and
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale for
-// 1 <= M <= linear_int8_rows(dtype) (engine/quantize.py): 64 in bf16 on the dot path, 16 on the fma path.
+// 1 <= M <= linear_int8_rows(dtype) (engine/quantize.py): 64, but 16 with float32 x on the fma path.
 //
 // Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
 // bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own, nor the
@@ -540,7 +540,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
 
 // ---- int8 weights (engine/quantize.py: one scale per weight row) ----
 
-constexpr int64_t INT8_ROWS = 16;  // the fma path: as many as torch's int8 kernel took
+constexpr int64_t INT8_ROWS = 16;  // float32 x on the fma path: as many as torch's int8 kernel took
 
 // Whether int8 weights take the dot path with x in this dtype: bf16 where the CPU has AVX512-BF16 (and bf16
 // is not capped to fma); else the fma path.
@@ -553,7 +553,9 @@ bool int8_dot(c10::ScalarType dtype) {
 }
 
 // How many rows `linear_int8` takes in this dtype.
-int64_t linear_int8_rows(c10::ScalarType dtype) { return int8_dot(dtype) ? WIDE_ROWS : INT8_ROWS; }
+int64_t linear_int8_rows(c10::ScalarType dtype) {
+  return int8_dot(dtype) || dtype != at::kFloat ? WIDE_ROWS : INT8_ROWS;
+}
 
 // infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
 // in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot (up to 64 rows): the weights converted to bf16 exactly

@@ -9,7 +9,7 @@ from engine.heap import keep_freed_heap
 from engine.huge_pages import to_huge_pages
 from engine.kernels import cpu_ops
 from engine.kv_cache import allocate_kv_cache
-from engine.model import Linear, Transformer, build_model
+from engine.model import INVARIANT_ROWS, Linear, Transformer, build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.cp_runner import ContextParallelRunner
 from engine.parallel.ep import shard_for_ep
@@ -19,16 +19,11 @@ from engine.quantize import quantize_int8
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint, WeightsError
 
-# torch's GEMM gives a bf16 row the bits `mv` gives it in batches of up to this many rows (engine/model.py,
-# Linear): batch-invariant, the engine hands rows to the few-row kernel only where it takes as many or more
-INVARIANT_ROWS = 32
-
 
 def few_rows(dtype: torch.dtype, batch_invariant: bool) -> int:
     """How many rows each Linear multiplies through the few-row CPU kernel (0: none, torch's way): all it
-    takes (bf16 with AMX or AVX512-BF16: 64, covering every decode step of the default max_num_seqs; 8
-    elsewhere) unless
-    the engine is batch-invariant and that is fewer than torch's GEMM keeps invariant."""
+    takes (64, covering every decode step of the default max_num_seqs; 8 in float32) unless the engine is
+    batch-invariant and that is fewer than torch's GEMM keeps invariant."""
     if not cpu_ops.available():
         return 0
     rows = cpu_ops.ops().linear_rows(dtype)

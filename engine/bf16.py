@@ -1,0 +1,20 @@
+"""Whether the CPU computes in bf16 itself: AVX512-BF16 or AMX tiles (x86). Where it does not (AVX2 machines:
+AMD Zen 2/3, Intel before Cooper Lake; Arm, not measured), torch converts every operand of a bf16 GEMM — on
+an AVX2 Zen 3 it ran at 19 GFLOP/s against 154-166 in float32 (bench/RESULTS.md, "bf16 on a CPU without bf16
+arithmetic") — so there the engine's `Linear` multiplies bf16 rows past the few-row kernel in float32 and
+rounds the result to bf16 once.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+
+
+@functools.cache
+def cpu_computes_bf16() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
