@@ -12,8 +12,9 @@ Why: decode at small batch reads every weight once per token, so it is bound by 
 halves the bytes of bf16. On CPU the int8 kernel (engine/kernels/cpu_linear.cpp, `linear_int8`: one
 summation order for any batch it takes) takes up to `kernel_rows(dtype)` rows: 64 of bf16 where the CPU has
 AVX512-BF16 (the weights converted to bf16 exactly and summed as bf16 weights are: within ~15 % of bf16
-weights from 4 rows up, faster below), 16 elsewhere (float32 FMAs; torch's `_weight_int8pack_mm` where the kernels
-are not built). Larger batches (and other devices) convert the weight to the activations' dtype each call,
+weights from 4 rows up, faster below), 64 of bf16 elsewhere and 16 of float32 (float32 FMAs; torch's
+`_weight_int8pack_mm` where the kernels are not built). Larger batches (and other devices) convert the weight
+to the activations' dtype each call (to float32, for bf16 on a CPU without bf16 arithmetic: engine/bf16.py),
 which costs more than bf16 weights would.
 """
 

@@ -1,6 +1,7 @@
 """bf16 on a CPU with or without bf16 arithmetic: the engine knows which it runs on (checked against the CPU's
-flags as Linux lists them), and a bf16 `Linear` past the few-row kernel gives the float32 product of its bf16
-operands rounded once where the CPU lacks it (torch's bf16 GEMM, ~8x slower there, is not used)."""
+flags as Linux lists them), and a bf16 `Linear` or int8 layer past the few-row kernel gives the float32
+product of its bf16 operands rounded once where the CPU lacks it (torch's bf16 GEMM, ~8x slower there, is
+not used)."""
 
 from pathlib import Path
 
@@ -36,3 +37,16 @@ def test_a_bf16_linear_past_the_few_row_kernel_rounds_a_float32_product_once():
         assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
     else:
         assert torch.equal(out, F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16())
+
+
+def test_an_int8_layer_past_its_kernel_rows_rounds_a_float32_product_once():
+    from engine.quantize import Int8Linear
+
+    g = torch.Generator().manual_seed(1)
+    layer = Int8Linear.from_linear(torch.nn.Linear(576, 300, bias=False).to(torch.bfloat16))
+    x = torch.randn(100, 576, generator=g).bfloat16()  # past the int8 kernel's rows on every path (64)
+    out = layer(x)
+    exact = (x.double() @ layer.dequantized().double().T).bfloat16()
+    torch.testing.assert_close(out, exact, rtol=2**-6, atol=2**-6 * 576**0.5)
+    if not cpu_computes_bf16():
+        assert torch.equal(out, (F.linear(x.float(), layer.weight.float()) * layer.scale.float()).bfloat16())

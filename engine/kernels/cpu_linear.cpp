@@ -134,7 +134,8 @@ inline void load_step8(const float* w, f32x8 (&s)[4]) {
 }
 template <>
 inline void load_step8(const c10::BFloat16* w, f32x8 (&s)[4]) {
-  u32x8 low, high;  // 32-bit lanes 0-7 and 8-15 of load_step's (one load each: as an array, through the stack)
+  u32x8 low, high;  // 32-bit lanes 0-7 and 8-15 of load_step's (two loads: one memcpy into an array of two
+                    // went through the stack)
   std::memcpy(&low, w, sizeof low);
   std::memcpy(&high, w + 16, sizeof high);
   s[0] = (f32x8)(low << 16), s[1] = (f32x8)(high << 16);
