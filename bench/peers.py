@@ -32,10 +32,20 @@ from engine.model_info import resolve_model  # noqa: E402
 
 PEERS_VENV = ROOT / ".peers-venv"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-# Built for this CPU's AVX-512 but without ggml's AMX kernels: with -march=native they are compiled in and
-# segfault on the 2-core VMs here (ggml_backend_amx_mul_mat, the first eval).
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-              "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+# Built for the AVX-512 this CPU has but without ggml's AMX kernels: with -march=native they are compiled in
+# and segfault on the 2-core VMs here (ggml_backend_amx_mul_mat, the first eval).
+AVX512_OPTIONS = {"avx512f": "GGML_AVX512", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cmake_args(cpu_flags: set[str]) -> str:
+    """ggml's build options for a CPU with these flags (/proc/cpuinfo): AVX2 and FMA, the AVX-512 it has, no AMX."""
+    avx512 = " ".join(f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in AVX512_OPTIONS.items())
+    return ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON " + avx512 +
+            " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+
+def cpu_flags() -> set[str]:
+    return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
 
 LLAMA_CPP_RATES = """
 import json, os, sys, time
@@ -80,7 +90,8 @@ print(json.dumps(rates))
 def install() -> None:
     subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
     subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", LLAMA_CPP], check=True,
-                   env=os.environ | {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count()), "CMAKE_ARGS": CMAKE_ARGS})
+                   env=os.environ | {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count()),
+                                    "CMAKE_ARGS": cmake_args(cpu_flags())})
 
 
 def llama_cpp_rates(python: str, steps: int, prefill: int, batch: int) -> dict[str, float]:
