@@ -14,6 +14,11 @@ import platform
 import torch
 
 
+def emulated(x: torch.Tensor) -> bool:
+    """Whether `x` is bf16 on a CPU that converts it for every GEMM."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_computes_bf16()
+
+
 @functools.cache
 def cpu_computes_bf16() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import bf16
 from engine.attention import AttentionMetadata, RotaryEmbedding, fused_decode, paged_attention, rotate_
-from engine.bf16 import cpu_computes_bf16
 from engine.config import ModelConfig
 from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
@@ -72,8 +72,7 @@ class Linear(nn.Linear):
         if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and self.bias is None:
             return torch.mv(self.weight, x[0]).unsqueeze(0)  # [1, out]
-        if x.shape[0] > INVARIANT_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
-                and not cpu_computes_bf16():
+        if x.shape[0] > INVARIANT_ROWS and bf16.emulated(x):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # torch's bf16 GEMM: ~8x slower
         return F.linear(x, self.weight, self.bias)

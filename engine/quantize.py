@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.bf16 import cpu_computes_bf16
+from engine import bf16
 from engine.kernels import cpu_ops
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -75,7 +75,7 @@ class Int8Linear(nn.Module):
                 out = cpu_ops.ops().linear_int8(x, self.weight, self.scale)
             else:
                 out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale.to(x.dtype))
-        elif x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_computes_bf16():  # engine/bf16.py
+        elif bf16.emulated(x):  # a bf16 GEMM in float32 (engine/bf16.py)
             out = (F.linear(x.float(), self.weight.float()) * self.scale.float()).to(x.dtype)
         else:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)

@@ -353,9 +353,9 @@ def test_cpu_norm_and_rope_kernels_refuse_what_they_cannot_read():
         ops.rope_(torch.randn(2, 3, 8), torch.randn(3, 8), torch.randn(2, 8))
 
 
-def rows_on(path: str, dtype: torch.dtype) -> int:
-    """How many rows cpu_linear.cpp takes on a path: 64, but 8 in float32 on fma (MKL's GEMM wins past ~16)."""
-    return 8 if path == "fma" and dtype == torch.float32 else 64
+def rows_of(dtype: torch.dtype) -> int:
+    """How many rows cpu_linear.cpp takes, on every path: 64, but 8 in float32 (MKL's GEMM wins past ~16)."""
+    return 8 if dtype == torch.float32 else 64
 
 
 def best_bf16_path() -> str:
@@ -406,7 +406,7 @@ def test_cpu_few_row_linear_kernel_matches_float64_and_gives_a_row_the_same_resu
     ops = cpu_ops.ops()
     path = best_bf16_path() if dtype == torch.bfloat16 else "fma"
     assert ops.linear_path(dtype) == path
-    assert ops.linear_rows(dtype) == rows_on(path, dtype)
+    assert ops.linear_rows(dtype) == rows_of(dtype)
     check_few_row_linear(ops, dtype)
 
 
@@ -431,7 +431,7 @@ from engine.kernels import cpu_ops
 from tests.test_kernels import check_few_row_linear
 ops = cpu_ops.ops()
 assert ops.linear_path(torch.bfloat16) == {path!r}, ops.linear_path(torch.bfloat16)
-assert ops.linear_rows(torch.bfloat16) == {rows_on(path, torch.bfloat16)}
+assert ops.linear_rows(torch.bfloat16) == {rows_of(torch.bfloat16)}
 check_few_row_linear(ops, torch.bfloat16)
 """)
     assert done.returncode == 0, done.stderr[-2000:]

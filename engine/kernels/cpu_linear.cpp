@@ -41,7 +41,7 @@ namespace {
 
 using namespace infermesh_cpu;
 
-constexpr int64_t MAX_ROWS = 8;    // the fma path in float32 (MKL's GEMM is faster past ~16 rows)
+constexpr int64_t FLOAT32_ROWS = 8;  // float32 (on the fma path: MKL's GEMM is faster past ~16 rows)
 constexpr int64_t WIDE_ROWS = 64;  // the amx and dot paths: every decode step of the default max_num_seqs
 constexpr int64_t AHEAD_BYTES = 2048;
 
@@ -509,8 +509,8 @@ std::string linear_path(c10::ScalarType dtype) {
 }
 
 // How many rows `linear` takes in this dtype.
-int64_t linear_rows(c10::ScalarType dtype) {
-  return linear_path_of(dtype) != Bf16Path::fma || dtype != at::kFloat ? WIDE_ROWS : MAX_ROWS;
+int64_t linear_rows(c10::ScalarType dtype) {  // (the path read first: a cap it does not know is refused here)
+  return linear_path_of(dtype) == Bf16Path::fma && dtype == at::kFloat ? FLOAT32_ROWS : WIDE_ROWS;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
