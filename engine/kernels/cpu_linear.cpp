@@ -15,14 +15,16 @@
 // ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
 // "projections on AMX tiles"). dot (AVX512-BF16 without AMX, e.g. AMD Zen 4): VDPBF16PS sums bf16 pairs
 // of a weight row and a row of x into 16 float32 lanes, 4 weight rows x 4 rows of x at a time, the lanes
-// then added 16 sums at once (bench/RESULTS.md, "projections on AVX512-BF16"). fma: each intra-op thread
-// streams a contiguous range of weight rows once for all M rows with float32 vector FMAs, prefetching 2 KiB
-// ahead (two float32 accumulators over 32-weight steps, then halved; the last k % 32 one by one).
+// then added 16 sums at once (bench/RESULTS.md, "projections on AVX512-BF16"). fma, float32 vector FMAs:
+// with AVX-512 each intra-op thread streams a contiguous range of weight rows once for all M rows,
+// prefetching 2 KiB ahead (two float32 accumulators over 32-weight steps, then halved; the last k % 32 one by
+// one); with AVX2 only, blocks of weight rows times rows of x held in registers, shaped by M (below).
 
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -109,75 +111,6 @@ void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t 
 
 // rows of x summed in one pass over a weight row, in registers
 constexpr int64_t GROUP = 8;
-#else
-// Without AVX-512 GCC keeps a vector of 16 floats in two registers and moves its halves through the stack
-// (the loop above read 3.4 GB/s of float32 weights at 8 rows on an AVX2 Zen 3, bench/RESULTS.md). The same
-// sums on vectors of 8: each 16-lane accumulator as its lanes 0-7 and 8-15, added at the end in sum16's
-// order, so every output has the bits the loop above gives it.
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// A 32-weight step as load_step's two 16-lane vectors, in halves: a's lanes 0-7, 8-15, then b's.
-template <typename W>
-inline void load_step8(const W* w, f32x8 (&s)[4]) {
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 8; ++j) s[i][j] = to_float(w[8 * i + j]);
-}
-template <>
-inline void load_step8(const float* w, f32x8 (&s)[4]) {
-  for (int i = 0; i < 4; ++i) s[i] = load8(w + 8 * i);
-}
-template <>
-inline void load_step8(const c10::BFloat16* w, f32x8 (&s)[4]) {
-  u32x8 low, high;  // 32-bit lanes 0-7 and 8-15 of load_step's (two loads: one memcpy into an array of two
-                    // went through the stack)
-  std::memcpy(&low, w, sizeof low);
-  std::memcpy(&high, w + 16, sizeof high);
-  s[0] = (f32x8)(low << 16), s[1] = (f32x8)(high << 16);
-  s[2] = (f32x8)(low & 0xFFFF0000u), s[3] = (f32x8)(high & 0xFFFF0000u);
-}
-#if defined(__AVX2__)
-template <>
-inline void load_step8(const int8_t* w, f32x8 (&s)[4]) {
-  for (int i = 0; i < 4; ++i) {
-    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i));  // int8 weights 8i..8i+7
-    s[i] = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
-  }
-}
-#endif
-
-inline float sum8(f32x8 a) {  // sum16's order from its halves' sum: quarters, then (b0 + b2) + (b1 + b3)
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-template <int G, typename W, typename Y>
-void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t n) {
-  f32x8 acc[G][4] = {};  // per row of x: even lanes 0-7, 8-15, odd lanes 0-7, 8-15
-  int64_t c = 0;
-  for (; c + 32 <= k; c += 32) {
-    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(W)); b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + c) + AHEAD_BYTES + b);
-    f32x8 s[4];
-    load_step8(w + c, s);
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) acc[g][i] += s[i] * load8(x + g * k + c + 8 * i);
-  }
-  for (int g = 0; g < G; ++g) {
-    float sum = sum8((acc[g][0] + acc[g][2]) + (acc[g][1] + acc[g][3]));
-    for (int64_t t = c; t < k; ++t) sum += to_float(w[t]) * x[g * k + t];
-    y[g * n] = static_cast<Y>(sum * scale);
-  }
-}
-
-constexpr int64_t GROUP = 2;  // 8 accumulators: the 16 AVX2 registers hold them with a step's weights
-#endif
-
 // y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op
 // thread streams its range of weight rows, once per GROUP rows of x (past the first group from cache).
 template <typename W, typename Y>
@@ -202,6 +135,138 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
       }
   });
 }
+#else
+// Without AVX-512 (AVX2 and FMA: 16 registers of 8 floats), a register-blocked kernel. Each output is one
+// 8-float accumulator over the arranged k, 8 at a time in ascending order, its lanes then added (sum8), then
+// the last k % 32 one by one: one order whatever the blocking, so the blocking follows M. A block is W weight
+// rows times up to G rows of x, W * G accumulators in registers; each step's weights are converted once per
+// block and used for every row of x in it, so past a few rows of x the FMAs bound the kernel, not the loads
+// and conversions (1.6-1.8x the loop before it at 16-64 rows, bench/RESULTS.md, "register blocks on AVX2").
+// The first group of x rows streams the weights from memory, prefetching ahead; the others read them from
+// cache. (GCC's vectors of 16 floats would not do here: without AVX-512 it moved their halves through the
+// stack.)
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Quarter q (lanes 8q..8q+7) of a 32-weight step as float32 in the arranged order (arrange_x): bf16 steps
+// hold the even weights of k 0-15 and 16-31, then the odd ones.
+template <typename W>
+inline f32x8 quarter(const W* w, int q) {
+  f32x8 v;
+  for (int j = 0; j < 8; ++j) v[j] = to_float(w[8 * q + j]);
+  return v;
+}
+template <>
+inline f32x8 quarter(const float* w, int q) {
+  return load8(w + 8 * q);
+}
+template <>
+inline f32x8 quarter(const c10::BFloat16* w, int q) {
+  u32x8 pairs;  // k pairs 0-7 (q even) or 8-15 (q odd) of the step, a bf16 weight in each half
+  std::memcpy(&pairs, w + 16 * (q % 2), sizeof pairs);
+  return (f32x8)(q < 2 ? pairs << 16 : pairs & 0xFFFF0000u);
+}
+#if defined(__AVX2__)
+template <>
+inline f32x8 quarter(const int8_t* w, int q) {
+  const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * q));
+  return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+}
+#endif
+
+// a * b + c rounded once, written out: GCC left some instantiations' `acc += s * x` a multiply and an add
+// (and vectorized some tails' products), which gave a row other bits in another block shape
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__)
+  return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float sum8(f32x8 a) {  // halves, then (b0 + b2) + (b1 + b3)
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// y[g * n + i] = scale[i] * <weight row i, x[g]> for W weight rows from w (`rows` of them real: the others
+// repeat the last, summed and dropped) and G rows of x (arranged, row stride k).
+template <int W, int G, typename Wt, typename Y>
+void block_rows(const Wt* w, int64_t stride, int64_t rows, const float* x, int64_t k, const float* scale, Y* y,
+                int64_t n, bool prefetch) {
+  static_assert(W * G + W + 1 <= 16, "the accumulators, a step's weights and a vector of x fit 16 registers");
+  const Wt* row[W];
+  for (int i = 0; i < W; ++i) row[i] = w + std::min<int64_t>(i, rows - 1) * stride;
+  // one row: further along its stream; more: the next block's rows in step (each its own stream)
+  const int64_t ahead = W == 1 ? AHEAD_BYTES : W * stride * static_cast<int64_t>(sizeof(Wt));
+  f32x8 acc[W][G] = {};
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    if (prefetch)
+      for (int i = 0; i < W; ++i)
+        for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(Wt)); b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(row[i] + c) + ahead + b);
+    for (int q = 0; q < 4; ++q) {
+      f32x8 s[W];
+      for (int i = 0; i < W; ++i) s[i] = quarter(row[i] + c, q);
+      for (int g = 0; g < G; ++g) {
+        f32x8 xs = load8(x + g * k + c + 8 * q);
+        asm("" : "+x"(xs));  // loaded once into a register: GCC would fold a load into each of the W FMAs
+        for (int i = 0; i < W; ++i) acc[i][g] = fma8(s[i], xs, acc[i][g]);
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int g = 0; g < G; ++g) {
+      float sum = sum8(acc[i][g]);
+      for (int64_t t = c; t < k; ++t) sum = std::fma(to_float(row[i][t]), x[g * k + t], sum);
+      y[g * n + i] = static_cast<Y>(sum * (scale ? scale[i] : 1.0f));
+    }
+}
+
+// y [m, n] as run below, in blocks of W weight rows times up to G rows of x.
+template <int W, int G, typename Wt, typename Y>
+void run_blocks(const Wt* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, Y* y,
+                int64_t n) {
+  parallel_for((n + W - 1) / W, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t r = b * W, rows = std::min<int64_t>(W, n - r);
+      for (int64_t g = 0; g < m; g += G) {
+        const Wt* wr = w + r * stride;
+        const float* xg = x + g * k;
+        const float* s = scale ? scale + r : nullptr;
+        Y* yg = y + g * n + r;
+        switch (std::min<int64_t>(G, m - g)) {
+          case 1: block_rows<W, 1>(wr, stride, rows, xg, k, s, yg, n, g == 0); break;
+          case 2: block_rows<W, std::min(G, 2)>(wr, stride, rows, xg, k, s, yg, n, g == 0); break;
+          case 3: block_rows<W, std::min(G, 3)>(wr, stride, rows, xg, k, s, yg, n, g == 0); break;
+          default: block_rows<W, G>(wr, stride, rows, xg, k, s, yg, n, g == 0);
+        }
+      }
+    }
+  });
+}
+
+// y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op
+// thread takes its range of weight rows a block at a time. The shapes, measured on an AVX2 Zen 3 (bench/
+// RESULTS.md): at one row memory bounds bf16, and one weight row at a time reads it best (more streams at
+// once read it 5-15 % slower); int8 steps are half the bytes, so there the FMAs' latency bounds a row's one
+// chain of sums and 4 weight rows side by side go faster; past a few rows, blocks that convert each weight
+// vector once for more rows of x.
+template <typename W, typename Y>
+void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, Y* y, int64_t n) {
+  if (m <= 3 && std::is_same_v<W, int8_t>) return run_blocks<4, 2>(w, stride, scale, x, m, k, y, n);
+  if (m == 1) return run_blocks<1, 1>(w, stride, scale, x, m, k, y, n);
+  if (m <= 3) return run_blocks<2, 3>(w, stride, scale, x, m, k, y, n);
+  if (m < 16) return run_blocks<2, 4>(w, stride, scale, x, m, k, y, n);
+  run_blocks<3, 3>(w, stride, scale, x, m, k, y, n);
+}
+#endif
 
 // ---- bf16 on AMX tiles ----
 
