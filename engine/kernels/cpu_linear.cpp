@@ -143,26 +143,13 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
 // block and used for every row of x in it, so past a few rows of x the FMAs bound the kernel, not the loads
 // and conversions (1.6-1.8x the loop before it at 16-64 rows, bench/RESULTS.md, "register blocks on AVX2").
 // The first group of x rows streams the weights from memory, prefetching ahead; the others read them from
-// cache. (GCC's vectors of 16 floats would not do here: without AVX-512 it moved their halves through the
-// stack.)
+// cache. FMAs written out (fma8, std::fma): left to GCC, some instantiations multiplied and added apart.
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // Quarter q (lanes 8q..8q+7) of a 32-weight step as float32 in the arranged order (arrange_x): bf16 steps
 // hold the even weights of k 0-15 and 16-31, then the odd ones.
 template <typename W>
 inline f32x8 quarter(const W* w, int q) {
-  f32x8 v;
-  for (int j = 0; j < 8; ++j) v[j] = to_float(w[8 * q + j]);
-  return v;
-}
-template <>
-inline f32x8 quarter(const float* w, int q) {
   return load8(w + 8 * q);
 }
 template <>
@@ -178,21 +165,6 @@ inline f32x8 quarter(const int8_t* w, int q) {
   return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
 }
 #endif
-
-// a * b + c rounded once, written out: GCC left some instantiations' `acc += s * x` a multiply and an add
-// (and vectorized some tails' products), which gave a row other bits in another block shape
-inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
-#if defined(__FMA__)
-  return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline float sum8(f32x8 a) {  // halves, then (b0 + b2) + (b1 + b3)
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 // y[g * n + i] = scale[i] * <weight row i, x[g]> for W weight rows from w (`rows` of them real: the others
 // repeat the last, summed and dropped) and G rows of x (arranged, row stride k).

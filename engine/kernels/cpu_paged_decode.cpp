@@ -38,6 +38,7 @@ constexpr int64_t CHUNK = 256;
 
 // scores [n], in a buffer of whole 16-lane vectors -> e^(score - max) in place (0 past n); returns (max,
 // their sum).
+#if defined(__AVX512F__)
 inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
   const int64_t padded = (n + 15) / 16 * 16;
   std::fill(scores + n, scores + padded, -INFINITY);
@@ -57,6 +58,28 @@ inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
   }
   return {m, sum16(sum)};
 }
+#else
+// The same on vectors of 8 (the sum's 16 lanes as two halves).
+inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  std::fill(scores + n, scores + padded, -INFINITY);
+  f32x8 top = load8(scores);
+  for (int64_t i = 8; i < padded; i += 8) {
+    const f32x8 x = load8(scores + i);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, top[j]);
+  f32x8 low = {}, high = {};
+  for (int64_t i = 0; i < padded; i += 16) {
+    f32x8 x[2] = {load8(scores + i), load8(scores + i + 8)};
+    for (f32x8& h : x) h = h == -INFINITY ? 0 : exp_nonpositive<f32x8, i32x8>(h - m);
+    std::memcpy(scores + i, x, sizeof x);
+    low += x[0], high += x[1];
+  }
+  return {m, sum8(low + high)};
+}
+#endif
 
 // Rows prefetched ahead of the one in use (a KV head's part of a row is strided, which the hardware
 // prefetcher follows poorly): 19-20 -> 10-12 ms for 30 layers of 6,000 tokens on 2 cores (bench/RESULTS.md).
@@ -70,6 +93,7 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 
 // scores [p * CHUNK + i] = scale * (q[p] . key i) for P query heads over n cache rows, one row at a time:
 // its 16-lane products reduced by sum16 for each head. V = D / 16 at compile time.
+#if defined(__AVX512F__)
 template <int V, int P, typename T>
 void scores_of(const float* const* q, const T* keys, const int64_t* rows, int64_t n, float scale, float* scores) {
   f32x16 query[P][V];
@@ -87,6 +111,30 @@ void scores_of(const float* const* q, const T* keys, const int64_t* rows, int64_
     }
   }
 }
+#else
+// The same sums on vectors of 8 (each 16-lane vector as its halves): the key's 2 V halves in registers, the
+// scaled queries read from cache by the FMAs (P V 16-lane queries would not fit AVX2's 16 registers).
+template <int V, int P, typename T>
+void scores_of(const float* const* q, const T* keys, const int64_t* rows, int64_t n, float scale, float* scores) {
+  alignas(32) float query[P][16 * V];
+  for (int p = 0; p < P; ++p)
+    for (int d = 0; d < 16 * V; ++d) query[p][d] = q[p][d] * scale;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* k = keys + rows[i];
+    if (i + AHEAD < n) prefetch_row(keys + rows[i + AHEAD], V * 16 * sizeof(T));
+    f32x8 key[2 * V];
+    for (int h = 0; h < 2 * V; ++h) key[h] = load8(k + 8 * h);
+    for (int p = 0; p < P; ++p) {
+      f32x8 low = load8(query[p]) * key[0], high = load8(query[p] + 8) * key[1];
+      for (int j = 1; j < V; ++j) {
+        low = fma8(load8(query[p] + 16 * j), key[2 * j], low);
+        high = fma8(load8(query[p] + 16 * j + 8), key[2 * j + 1], high);
+      }
+      scores[p * CHUNK + i] = sum8(low + high);
+    }
+  }
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The same over bf16 on AVX512-BF16 dot products (VDPBF16PS: bf16 pairs multiplied exactly, summed into
@@ -124,6 +172,7 @@ void scores_of(const float* const* q, const c10::BFloat16* keys, const int64_t* 
 // P query heads q [P, D] that share one KV head, over n cache rows (keys + rows[i], values + rows[i]):
 // out [P, D] = the sum of the rows' values weighted by e^(score - max); stats [P] = (max, sum of weights).
 // V = D / 16 at compile time, so the P outputs stay in registers while each row is read once for all P heads.
+#if defined(__AVX512F__)
 template <int V, int P, typename T>
 void attend_heads(const float* const* q, const T* keys, const T* values, const int64_t* rows, int64_t n,
                   float scale, float* scores, float* const* out, std::pair<float, float>* stats) {
@@ -156,6 +205,45 @@ void attend_heads(const float* const* q, const T* keys, const T* values, const i
     for (int p = 0; p < P; ++p) std::memcpy(out[p] + 16 * j0, sums[p], sizeof sums[p]);
   }
 }
+#else
+// The same on vectors of 8 (each lane's sum in the same order): 2 slices of 8 lanes a pass, so the P heads'
+// 2 P sums, the slices of a value row and the P weights fit AVX2's 16 registers; the passes go over blocks of
+// ROWS rows, whose values stay in L1 after the first pass (which prefetches whole rows ahead), the sums kept
+// in `out` between blocks.
+template <int V, int P, typename T>
+void attend_heads(const float* const* q, const T* keys, const T* values, const int64_t* rows, int64_t n,
+                  float scale, float* scores, float* const* out, std::pair<float, float>* stats) {
+  scores_of<V, P>(q, keys, rows, n, scale, scores);
+  for (int p = 0; p < P; ++p) stats[p] = softmax_numerators(scores + p * CHUNK, n);
+  constexpr int SLICES = 2;
+  constexpr int64_t ROWS = 64;
+  for (int p = 0; p < P; ++p) std::fill(out[p], out[p] + 16 * V, 0.f);
+  for (int64_t first = 0; first < n; first += ROWS) {
+    const int64_t last = std::min(n, first + ROWS);
+    for (int j0 = 0; j0 < 2 * V; j0 += SLICES) {
+      f32x8 sums[P][SLICES];
+      for (int p = 0; p < P; ++p)
+        for (int s = 0; s < SLICES; ++s) sums[p][s] = load8(out[p] + 8 * (j0 + s));
+      for (int64_t i = first; i < last; ++i) {
+        const T* v = values + rows[i] + 8 * j0;
+        if (j0 == 0 && i + AHEAD < n) prefetch_row(values + rows[i + AHEAD], V * 16 * sizeof(T));
+        f32x8 slice[SLICES];
+        for (int s = 0; s < SLICES; ++s) slice[s] = load8(v + 8 * s);
+        for (int p = 0; p < P; ++p) {
+          const float weight = scores[p * CHUNK + i];
+          const f32x8 w = {weight, weight, weight, weight, weight, weight, weight, weight};
+          for (int s = 0; s < SLICES; ++s) sums[p][s] = fma8(w, slice[s], sums[p][s]);
+        }
+      }
+      for (int p = 0; p < P; ++p)
+        for (int s = 0; s < SLICES; ++s) {
+          const f32x8 sum = sums[p][s];  // (a copy: were the array's address taken, GCC would keep it in memory)
+          std::memcpy(out[p] + 8 * (j0 + s), &sum, sizeof sum);
+        }
+    }
+  }
+}
+#endif
 
 // The same for any head size (tiny test models), one head and one lane at a time.
 template <typename T>

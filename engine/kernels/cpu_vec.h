@@ -25,6 +25,7 @@ typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 inline float to_float(int8_t x) { return x; }
 inline float to_float(float x) { return x; }
@@ -93,6 +94,44 @@ __attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
 }
 #endif
 
+// ---- 8 lanes: where there is no AVX-512, GCC keeps a vector of 16 floats in two registers and moves their
+// halves through the stack (bench/RESULTS.md, "bf16 on a CPU without bf16 arithmetic"), so the kernels' AVX2
+// code works on vectors of 8, each 16-lane sum as its lanes 0-7 and 8-15 (same bits, lane by lane) ----
+
+template <typename T>
+inline f32x8 load8(const T* p) {
+  f32x8 v;
+  for (int j = 0; j < 8; ++j) v[j] = to_float(p[j]);
+  return v;
+}
+template <>
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+#if defined(__AVX2__)
+template <>
+inline f32x8 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+}
+#endif
+
+// a * b + c rounded once, written out: GCC leaves `c += a * b` a multiply and an add in some inlined contexts
+// and not in others, which gives one sum other bits in another caller
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__)
+  return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float sum8(f32x8 a) {  // sum16's order from its halves' sum: quarters, then (b0 + b2) + (b1 + b3)
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 inline float max16(f32x16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps((__m512)v);
@@ -103,20 +142,22 @@ inline float max16(f32x16 v) {
 #endif
 }
 
-// e^x for x <= 0 (scores minus their maximum), 16 at a time: Cephes' polynomial after range reduction, ~1 ulp.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 floor = x * 0 - 87.0f;
+// e^x for x <= 0 (scores minus their maximum), 16 (or 8: F = f32x8, I = i32x8) at a time: Cephes' polynomial
+// after range reduction, ~1 ulp.
+template <typename F = f32x16, typename I = i32x16>
+inline F exp_nonpositive(F x) {
+  const F floor = x * 0 - 87.0f;
   x = x < floor ? floor : x;
-  const i32x16 whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // round(x log2 e), x <= 0
-  const f32x16 n = __builtin_convertvector(whole, f32x16);
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  const I whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);  // round(x log2 e), x <= 0
+  const F n = __builtin_convertvector(whole, F);
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * (f32x16)((whole + 127) << 23);
+  return p * (F)((whole + 127) << 23);
 }
 
 // v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes; stored.
