@@ -188,7 +188,9 @@ void block_rows(const Wt* w, int64_t stride, int64_t rows, const float* x, int64
       for (int i = 0; i < W; ++i) s[i] = quarter(row[i] + c, q);
       for (int g = 0; g < G; ++g) {
         f32x8 xs = load8(x + g * k + c + 8 * q);
+#if defined(__x86_64__)
         asm("" : "+x"(xs));  // loaded once into a register: GCC would fold a load into each of the W FMAs
+#endif
         for (int i = 0; i < W; ++i) acc[i][g] = fma8(s[i], xs, acc[i][g]);
       }
     }
