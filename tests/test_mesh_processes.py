@@ -76,9 +76,15 @@ def shm_bytes(pid: int) -> int:
 
 
 def cores_of(pid: int) -> set[int]:
-    """The cores any thread of `pid` may run on."""
-    return {core for task in Path(f"/proc/{pid}/task").iterdir()
-            for core in parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])}
+    """The cores any live thread of `pid` may run on (one that exits while they are read is skipped)."""
+    cores: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended after the listing (a suite run met one)
+            continue
+        cores.update(parse_cpus(status.split("Cpus_allowed_list:")[1].split()[0]))
+    return cores
 
 
 def planned_cores(ranks: list[int]) -> list[set[int]]:
