@@ -58,11 +58,27 @@ def assert_exited(pids: list[int], timeout_s: float = 10.0) -> None:
     assert [pid for pid in pids if not exited(pid)] == []
 
 
+def task_files(pid: int, name: str) -> list[str]:
+    """/proc/PID/task/*/`name` of each thread of `pid` still there when read: a thread or a process that ends
+    between the listing and the read is left out (suite runs met both)."""
+    texts = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return texts
+    for task in tasks:
+        try:
+            texts.append((task / name).read_text())
+        except (FileNotFoundError, ProcessLookupError):  # gone after the listing; ESRCH if gone while read
+            continue
+    return texts
+
+
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (rank followers of an instance, ...), from /proc."""
+    """Every live process below `pid` (rank followers of an instance, ...), from /proc."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in map(int, (task / "children").read_text().split()):
+    for children in task_files(pid, "children"):
+        for child in map(int, children.split()):
             found += [child, *descendants(child)]
     return found
 
@@ -76,13 +92,9 @@ def shm_bytes(pid: int) -> int:
 
 
 def cores_of(pid: int) -> set[int]:
-    """The cores any live thread of `pid` may run on (one that exits while they are read is skipped)."""
+    """The cores any live thread of `pid` may run on."""
     cores: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except FileNotFoundError:  # the thread ended after the listing (a suite run met one)
-            continue
+    for status in task_files(pid, "status"):
         cores.update(parse_cpus(status.split("Cpus_allowed_list:")[1].split()[0]))
     return cores
 
