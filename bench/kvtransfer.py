@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import socket
 import statistics
 import sys
@@ -35,7 +34,7 @@ from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer import grpc_stream, shared_memory, shm_arena  # noqa: E402
 from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
 from kvtransfer.sink import PlanSink  # noqa: E402
-from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender, part_receivers_first  # noqa: E402
+from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender, part_pair  # noqa: E402
 from kvtransfer.transport import KVReceiver  # noqa: E402
 from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
 
@@ -132,11 +131,7 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
         floor = torch.empty(LAYERS * 2 * tokens * HEADS * HEAD_DIM, dtype=torch.bfloat16)
         for _ in range(repeats):
             group.recv([floor], 0, 99).wait()
-        part_receivers_first(group, 1)
-        # leave without finalizing the interpreter: the group closed then wakes the receive thread's posted
-        # receive into a finalizing Python, which aborted this process once in a suite run (SIGABRT,
-        # "terminate called without an active exception"; kvtransfer/torch_p2p.py's docstring)
-        os._exit(0)
+        part_pair(group, 1)  # leaves this process
     kv = cache(blocks)
     times, floors = [], []
     one_tensor = torch.randn(LAYERS * 2 * tokens * HEADS * HEAD_DIM).bfloat16()
@@ -147,7 +142,7 @@ def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None
         start = time.perf_counter()
         group.send([one_tensor], 1, 99).wait()
         floors.append(time.perf_counter() - start)
-    part_receivers_first(group, 1)
+    part_pair(group, 1)
     results.put((statistics.median(times), statistics.median(floors)))
 
 

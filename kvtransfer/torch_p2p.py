@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -98,15 +99,18 @@ class _Announced:
         return (layer, runs, tuple(keys.shape), keys.dtype) == (self.next, self.runs, self.shape, self.dtype)
 
 
-def part_receivers_first(group, sources: int) -> None:
+def part_pair(group, sources: int) -> None:
     """For a pair's processes that end together (tests, benchmarks): the receiving ranks (those past the first
-    `sources`) leave first, as a source leaving first could wake their receive threads while their interpreter
-    shuts down (the module's docstring). A source returns once every receiving rank has closed its connection."""
+    `sources`) leave first, and at once — `os._exit(0)`, without finalizing their interpreter: finalizing closes
+    the group, which wakes a receive thread's posted receive into a finalizing Python (the module's docstring;
+    a benchmark's receiving rank aborted so once). A source returns once every receiving rank has closed its
+    connection. What a receiving rank reports must be written before (a `SimpleQueue` writes at `put`)."""
     group.barrier().wait()
-    if group.rank() < sources:
-        for peer in range(sources, group.size()):
-            with contextlib.suppress(RuntimeError):  # the peer closed the pair: it has left
-                group.recv([torch.zeros(1)], peer, TAG_PARTING).wait()
+    if group.rank() >= sources:
+        os._exit(0)
+    for peer in range(sources, group.size()):
+        with contextlib.suppress(RuntimeError):  # the peer closed the pair: it has left
+            group.recv([torch.zeros(1)], peer, TAG_PARTING).wait()
 
 
 class TorchP2PSender(KVSender):

@@ -23,7 +23,7 @@ from kvtransfer import grpc_stream, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
-from kvtransfer.torch_p2p import part_receivers_first
+from kvtransfer.torch_p2p import part_pair
 from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, TransferError, TransferState, run_rows
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
@@ -433,7 +433,7 @@ def p2p_worker(rank: int, cp: int, tp: int, port: int, results, land: bool = Fal
                 assert torch.equal(kv[layer][0][slot], truth[layer, 0, t, h0:h1])
                 assert torch.equal(kv[layer][1][slot], truth[layer, 1, t, h0:h1])
         results.put(("decode", rank, sum(receiver.completed.values()), None))
-    part_receivers_first(group, cp)
+    part_pair(group, cp)
 
 
 def refuse_writes(*args, **kwargs):
@@ -485,7 +485,7 @@ def p2p_streams_worker(rank: int, port: int, results) -> None:
                     assert torch.equal(flat[run_rows(runs[rid, layer])], data[r, layer, which])
         assert not flat[24:].any() and not receiver._streams  # nothing else written; every stream ended
         results.put(sum(receiver.completed.values()))
-    part_receivers_first(group, 1)
+    part_pair(group, 1)
 
 
 def test_torch_p2p_keeps_interleaved_requests_apart_and_follows_runs_that_change_between_layers():
@@ -552,7 +552,7 @@ def p2p_announced_worker(rank: int, port: int, results) -> None:
         with writer.lock:
             open_landings = sum(writer.landings(rid) for rid in tables)
         results.put((exact, exact_after, open_landings, len(receiver._streams)))
-    part_receivers_first(group, 1)
+    part_pair(group, 1)
 
 
 def sent_and_received(pair_worker) -> tuple:
@@ -696,7 +696,7 @@ def p2p_idle_worker(rank: int, port: int, results) -> None:
         receiver = TorchP2PReceiver(group, KVReceiver(kv, tables.get), sources=[0])
         arrived = receiver.wait_for([(0, "before"), (0, "after")], timeout_s=30)
         results.put((arrived, kv[0][0][:, 0, 0, 0].tolist(), kv[0][1][:, 0, 0, 0].tolist()))
-    part_receivers_first(group, 1)
+    part_pair(group, 1)
 
 
 def test_a_pair_silent_past_its_operation_timeout_still_carries_the_next_push():
@@ -774,7 +774,7 @@ def p2p_late_receiver_worker(rank: int, port: int, results) -> None:
         receiver = TorchP2PReceiver(group, KVReceiver(kv, lambda rid: table, on_landed=lambda rid: None), sources=[0])
         assert receiver.wait_for([(0, "r")], timeout_s=60)
         results.put(torch.equal(kv[0][0], truth[0]) and torch.equal(kv[0][1], truth[1]))
-    part_receivers_first(group, 1)
+    part_pair(group, 1)
 
 
 def test_a_push_from_views_of_the_cache_is_sent_before_the_step_that_made_it_ends():
