@@ -15,24 +15,27 @@ namespace {
 
 using namespace infermesh_cpu;
 
-// Lane j keeps the first maximal value among columns j, j + 16, ... (strictly greater replaces; a NaN
-// replaces anything but a NaN); the row's answer is then the smallest column among the lanes that hold the
-// row's maximum (or a NaN).
+// Lane j keeps the first maximal value among columns j, j + L, ... (L lanes: 16 with AVX-512, else 8;
+// strictly greater replaces; a NaN replaces anything but a NaN); the row's answer is then the smallest
+// column among the lanes that hold the row's maximum (or a NaN).
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
+  using I = lanes<f32xN>::i32;
+  constexpr int L = lanes<f32xN>::n;
   int64_t c = 0, best_at = -1;
   float best = -INFINITY;
-  if (n >= 16) {
-    f32x16 top = load16(x);
-    i32x16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const i32x16 lanes = at;
-    for (c = 16; c + 16 <= n; c += 16) {
-      const f32x16 v = load16(x + c);
-      const i32x16 take = (v > top) | ((v != v) & (top == top));
+  if (n >= L) {
+    f32xN top = load<f32xN>(x);
+    I at;
+    for (int j = 0; j < L; ++j) at[j] = j;
+    const I first = at;
+    for (c = L; c + L <= n; c += L) {
+      const f32xN v = load<f32xN>(x + c);
+      const I take = (v > top) | ((v != v) & (top == top));
       top = take ? v : top;
-      at = take ? lanes + static_cast<int32_t>(c) : at;
+      at = take ? first + static_cast<int32_t>(c) : at;
     }
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < L; ++j) {
       const bool better = std::isnan(top[j])
                               ? !std::isnan(best) || at[j] < best_at
                               : !std::isnan(best) && (top[j] > best || (top[j] == best && at[j] < best_at));

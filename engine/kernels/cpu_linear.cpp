@@ -145,7 +145,6 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
 // and conversions (1.6-1.8x the loop before it at 16-64 rows, bench/RESULTS.md, "register blocks on AVX2").
 // The first group of x rows streams the weights from memory, prefetching ahead; the others read them from
 // cache. FMAs written out (fma8, std::fma): left to GCC, some instantiations multiplied and added apart.
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // Quarter q (lanes 8q..8q+7) of a 32-weight step as float32 in the arranged order (arrange_x): bf16 steps
 // hold the even weights of k 0-15 and 16-31, then the odd ones.

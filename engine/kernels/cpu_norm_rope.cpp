@@ -24,25 +24,32 @@ using namespace infermesh_cpu;
 
 constexpr int64_t PARALLEL_MIN = 1 << 15;  // elements: fewer run on the calling thread alone
 
+inline float sum_in_sum16s_order(const f32x16 (&v)[1]) { return sum16(v[0]); }
+inline float sum_in_sum16s_order(const f32x8 (&v)[2]) { return sum8(v[0] + v[1]); }  // sum16 adds halves first
+
 template <typename T>
 void norm_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
-  f32x16 squares = {};
+  constexpr int L = lanes<f32xN>::n;
+  f32xN squares[16 / L] = {};  // 16 columns a step on any CPU (two 8-lane halves without AVX-512) ...
   int64_t c = 0;
-  for (; c + 16 <= dim; c += 16) {
-    const f32x16 v = load16(x + c);
-    squares += v * v;
-  }
-  float sum = sum16(squares);
+  for (; c + 16 <= dim; c += 16)
+    for (int h = 0; h < 16 / L; ++h) {
+      const f32xN v = load<f32xN>(x + c + h * L);
+      squares[h] += v * v;
+    }
+  float sum = sum_in_sum16s_order(squares);  // ... and summed alike: the same bits on either
   for (; c < dim; ++c) sum += to_float(x[c]) * to_float(x[c]);
   const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
-  for (c = 0; c + 16 <= dim; c += 16) store16(out + c, load16(weight + c) * rounded<T>(load16(x + c) * rstd));
+  for (c = 0; c + L <= dim; c += L)
+    store(out + c, load<f32xN>(weight + c) * rounded<T>(load<f32xN>(x + c) * rstd));
   for (; c < dim; ++c) out[c] = static_cast<T>(to_float(weight[c]) * to_float(static_cast<T>(to_float(x[c]) * rstd)));
 }
 
 template <typename T>
 void add_row(const T* x, const T* delta, T* sum, int64_t dim) {
+  constexpr int L = lanes<f32xN>::n;
   int64_t c = 0;
-  for (; c + 16 <= dim; c += 16) store16(sum + c, load16(x + c) + load16(delta + c));
+  for (; c + L <= dim; c += L) store(sum + c, load<f32xN>(x + c) + load<f32xN>(delta + c));
   for (; c < dim; ++c) sum[c] = static_cast<T>(to_float(x[c]) + to_float(delta[c]));
 }
 

@@ -12,6 +12,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 
@@ -26,6 +27,34 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+// The integer lanes beside a float vector of 16 or 8 lanes.
+template <typename F>
+struct lanes;
+template <>
+struct lanes<f32x16> {
+  using i32 = i32x16;
+  using u32 = u32x16;
+  using u16 = u16x16;
+  static constexpr int n = 16;
+};
+template <>
+struct lanes<f32x8> {
+  using i32 = i32x8;
+  using u32 = u32x8;
+  using u16 = u16x8;
+  static constexpr int n = 8;
+};
+
+// The float vector of a row-wise loop on this CPU: 16 lanes with AVX-512; else 8, one AVX2 register (a loop
+// over 16-lane vectors there spilled through the stack and ran ~10x slower than memory: bench/RESULTS.md).
+#if defined(__AVX512F__)
+using f32xN = f32x16;
+#else
+using f32xN = f32x8;
+#endif
 
 inline float to_float(int8_t x) { return x; }
 inline float to_float(float x) { return x; }
@@ -160,45 +189,60 @@ inline F exp_nonpositive(F x) {
   return p * (F)((whole + 127) << 23);
 }
 
-// v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes; stored.
-template <typename T>
-inline f32x16 rounded(f32x16 v) {
-  for (int j = 0; j < 16; ++j) v[j] = to_float(static_cast<T>(v[j]));
-  return v;
+// v rounded to T's precision (RNE, as torch rounds each op's result), still as float32 lanes (16 or 8).
+template <typename T, typename F>
+inline F rounded(F v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // c10::BFloat16's rounding, every lane at once
+    using U = typename lanes<F>::u32;
+    const U bits = (U)v;
+    const U even = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    const U nan = U{} + 0x7FC00000u;  // the one bf16 NaN c10 rounds every NaN to
+    return (F)((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : even);
+  } else {
+    for (int j = 0; j < lanes<F>::n; ++j) v[j] = to_float(static_cast<T>(v[j]));
+    return v;
+  }
 }
-template <>
-inline f32x16 rounded<float>(f32x16 v) { return v; }
-template <>
-inline f32x16 rounded<c10::BFloat16>(f32x16 v) {  // c10::BFloat16's rounding, 16 lanes at once
-  const u32x16 bits = (u32x16)v;
-  const u32x16 even = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = u32x16{} + 0x7FC00000u;  // the one bf16 NaN c10 rounds every NaN to
-  return (f32x16)((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : even);
+
+// v's lanes stored as T, rounded as `rounded` rounds them.
+template <typename T, typename F>
+inline void store(T* p, F v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the top half of each rounded float32
+    const auto bits = __builtin_convertvector((typename lanes<F>::u32)rounded<T>(v) >> 16, typename lanes<F>::u16);
+    std::memcpy(p, &bits, sizeof bits);
+  } else {
+    for (int j = 0; j < lanes<F>::n; ++j) p[j] = static_cast<T>(v[j]);
+  }
 }
 
 template <typename T>
 inline void store16(T* p, f32x16 v) {
-  for (int j = 0; j < 16; ++j) p[j] = static_cast<T>(v[j]);
+  store(p, v);
 }
-template <>
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-template <>
-inline void store16(c10::BFloat16* p, f32x16 v) {  // the top half of each rounded float32
-  const u16x16 bits = __builtin_convertvector((u32x16)rounded<c10::BFloat16>(v) >> 16, u16x16);
-  std::memcpy(p, &bits, sizeof bits);
+
+// load16 or load8, by the vector asked for.
+template <typename F, typename T>
+inline F load(const T* p) {
+  if constexpr (lanes<F>::n == 16) return load16(p);
+  else return load8(p);
 }
 
 // One head of one token: x = (x1, x2) -> (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), each product and the sum
 // rounded to T as torch's `x * cos + rotate_half(x) * sin` rounds them.
 template <typename T>
 inline void rotate(T* x, const T* cos, const T* sin, int64_t half) {
+  using F = f32xN;
   int64_t i = 0;
-  for (; i + 16 <= half; i += 16) {
-    const f32x16 x1 = load16(x + i), x2 = load16(x + half + i);
-    const f32x16 out1 = rounded<T>(x1 * load16(cos + i)) - rounded<T>(x2 * load16(sin + i));
-    const f32x16 out2 = rounded<T>(x2 * load16(cos + half + i)) + rounded<T>(x1 * load16(sin + half + i));
-    store16(x + i, out1);
-    store16(x + half + i, out2);
+  for (; i + lanes<F>::n <= half; i += lanes<F>::n) {
+    const F x1 = load<F>(x + i), x2 = load<F>(x + half + i);
+    const F out1 = rounded<T>(x1 * load<F>(cos + i)) - rounded<T>(x2 * load<F>(sin + i));
+    const F out2 = rounded<T>(x2 * load<F>(cos + half + i)) + rounded<T>(x1 * load<F>(sin + half + i));
+    store(x + i, out1);
+    store(x + half + i, out2);
   }
   for (; i < half; ++i) {
     const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
