@@ -1,8 +1,9 @@
 """The mesh against the engine it serves: decode tokens/s to N concurrent greedy streams, in-process
 (`LLM.generate` of N prompts) and through `infermesh up --prefill 0` (client -> router -> decode over
-gRPC, from one asyncio client), one after the other on this machine; what the router adds to the time to first token (the same
-one-token request to the router and straight to decode's Decode, alternately); and a matmul timed on
-the main thread and on another one (the reason a service drives its engine from its main thread).
+gRPC, the streams from one asyncio client), one after the other on this machine; what the router adds
+to the time to first token (the same one-token request to the router and straight to decode's Decode,
+alternately); and a matmul timed on the main thread and on another one (the reason a service drives its
+engine from its main thread).
 
     python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16] [--ttft-samples 100]
                          [--no-batch-invariant]
