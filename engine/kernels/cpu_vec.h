@@ -1,5 +1,5 @@
-// What the CPU kernels share: float32 vectors of 16 lanes over the model's dtypes, RoPE on one head, and a
-// parallel loop on the calling thread's intra-op threads.
+// What the CPU kernels share: float32 vectors of 16 lanes (or 8: `f32xN`) over the model's dtypes, RoPE on
+// one head, and a parallel loop on the calling thread's intra-op threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,9 +12,9 @@
 #endif
 
 #include <algorithm>
-#include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace infermesh_cpu {
 
