@@ -348,7 +348,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
               bf16* y_row = y + r * n + 16 * (b + i);
               f32x16 v;
               for (int l = 0; l < 16; ++l) v[l] = s[l * 16 + r - first];
-              if (rows[i] == 16) store16(y_row, v);
+              if (rows[i] == 16) store(y_row, v);
               else for (int64_t l = 0; l < rows[i]; ++l) y_row[l] = static_cast<bf16>(v[l]);
             }
           }
@@ -430,7 +430,7 @@ void dot_block(const bf16* w, int64_t stride, int64_t G, const bf16* x, int64_t 
   if (scale)  // int8 weights: each weight row's sums times its scale, then rounded once
     for (int j = 0; j < 16; ++j) total[j] *= scale[std::min<int64_t>(j % DOT_W, G - 1)];
   alignas(64) bf16 out[16];
-  store16(out, total);
+  store(out, total);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * n, out + 4 * r, G * sizeof(bf16));
 }
 
@@ -460,7 +460,7 @@ void dot_block16(const W* w, int64_t stride, int64_t G, const bf16* x, int64_t k
   if (scale)
     for (int j = 0; j < 16; ++j) total[j] *= scale[std::min<int64_t>(j, G - 1)];
   alignas(64) bf16 out[16];
-  store16(out, total);
+  store(out, total);
   std::memcpy(y, out, G * sizeof(bf16));
 }
 

@@ -88,9 +88,9 @@ inline float softmax_block(float* s, int64_t valid, float& row_max, float* row_s
     return x == -INFINITY ? 0 : exp_nonpositive(x - new_max);
   };
   const f32x16 p0 = weight(x0), p1 = weight(x1), p2 = weight(x2), p3 = weight(x3);
-  store16(s, p0), store16(s + 16, p1), store16(s + 32, p2), store16(s + 48, p3);
+  store(s, p0), store(s + 16, p1), store(s + 32, p2), store(s + 48, p3);
   row_max = new_max;
-  store16(row_sums, load16(row_sums) * alpha + ((p0 + p1) + (p2 + p3)));
+  store(row_sums, load16(row_sums) * alpha + ((p0 + p1) + (p2 + p3)));
   return alpha;
 }
 
@@ -127,7 +127,7 @@ inline void scores_f32(const float* q, int64_t dim, const float* keys, float sca
   }
   const f32x16 all[16] = {c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33};
 #pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) store16(s + 16 * j, all[j] * scale);
+  for (int j = 0; j < 16; ++j) store(s + 16 * j, all[j] * scale);
 }
 
 // o [R][D] += weights p [R][KB] times the block's values [KB][D]; V = D / 16.
@@ -154,7 +154,7 @@ void weigh_f32(const float* p, const float* values, float* o) {
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) store16(o + (r0 + r) * V * 16 + 16 * j, acc[r][j]);
+      for (int j = 0; j < V; ++j) store(o + (r0 + r) * V * 16 + 16 * j, acc[r][j]);
   }
 }
 

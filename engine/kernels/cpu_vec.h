@@ -219,11 +219,6 @@ inline void store(T* p, F v) {
   }
 }
 
-template <typename T>
-inline void store16(T* p, f32x16 v) {
-  store(p, v);
-}
-
 // load16 or load8, by the vector asked for.
 template <typename F, typename T>
 inline F load(const T* p) {
