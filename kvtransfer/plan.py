@@ -9,8 +9,10 @@ where a KV head is replicated), in blocks of its own block size. Tokens below
 `DecodeLayout.first_token` are already on decode (its own cached prefix).
 
 `plan(src, dst)` returns the pieces: for each destination rank, each source
-rank's tokens cut wherever either side's block ends, so that every piece is a
-run of consecutive slots on both sides, carrying the destination's head range.
+rank's tokens cut wherever either side's slots stop being consecutive (a block
+ends and the table's next block is not the one after it), so that every piece
+is a run of consecutive slots on both sides, as long as the tables allow,
+carrying the destination's head range.
 The same pieces apply to every layer (transports push layer by layer). Every
 (destination rank, token, head of that rank) is covered exactly once.
 
@@ -72,23 +74,26 @@ def plan(src: PrefillLayout, dst: DecodeLayout) -> tuple[Piece, ...]:
     _check_blocks("decode", dst.block_size, dst.block_table, num_tokens)
     if max(end for _, end in dst.head_ranges) > src.num_kv_heads:
         raise ValueError(f"decode head ranges {dst.head_ranges} exceed the {src.num_kv_heads} KV heads of prefill")
-    pieces = []
-    for dst_rank, heads in enumerate(dst.head_ranges):
-        for src_rank, ranges in enumerate(src.token_ranges):
-            for start, end in ranges:
-                start = max(start, dst.first_token)
-                while start < end:
-                    # run until either side's block ends
-                    stop = min(end, _block_end(start, src.block_size), _block_end(start, dst.block_size))
-                    pieces.append(Piece(src_rank, dst_rank, (start, stop), heads,
-                                        _slot(start, src.block_table, src.block_size),
-                                        _slot(start, dst.block_table, dst.block_size)))
-                    start = stop
-    return tuple(pieces)
+    runs = []  # (source rank, [start, stop) positions): consecutive slots on both sides
+    for src_rank, ranges in enumerate(src.token_ranges):
+        for start, end in ranges:
+            start = max(start, dst.first_token)
+            while start < end:
+                stop = min(_consecutive_end(start, end, src.block_table, src.block_size),
+                           _consecutive_end(start, end, dst.block_table, dst.block_size))
+                runs.append((src_rank, start, stop))
+                start = stop
+    return tuple(Piece(src_rank, dst_rank, (start, stop), heads, _slot(start, src.block_table, src.block_size),
+                       _slot(start, dst.block_table, dst.block_size))
+                 for dst_rank, heads in enumerate(dst.head_ranges) for src_rank, start, stop in runs)
 
 
-def _block_end(position: int, block_size: int) -> int:
-    return (position // block_size + 1) * block_size
+def _consecutive_end(position: int, end: int, table: tuple[int, ...], block_size: int) -> int:
+    """Where the slots of positions from `position` stop being consecutive, at most `end`."""
+    block, last = position // block_size, (end - 1) // block_size
+    while block < last and table[block + 1] == table[block] + 1:
+        block += 1
+    return min(end, (block + 1) * block_size)
 
 
 def _slot(position: int, table: tuple[int, ...], block_size: int) -> int:

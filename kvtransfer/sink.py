@@ -34,6 +34,7 @@ class PlanSink:
         self.target, self.senders = target, senders
         self.pieces: tuple[Piece, ...] | None = None
         self.by_rank: dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]] = {}
+        self.rows: dict[int, slice | None] = {}  # per destination rank: its rows as one range of the cache
         self.error: TransferError | None = None  # the plan could not be made: nothing is sent
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
@@ -50,12 +51,15 @@ class PlanSink:
             except ValueError as e:
                 self.pieces, self.error = (), TransferError(f"no transfer plan: {e}")
             self.by_rank = by_destination(self.pieces)
+            self.rows = {dst_rank: in_place(k_cache.view(-1, *k_cache.shape[2:])[:, heads], source_runs)
+                         for dst_rank, (source_runs, heads, _) in self.by_rank.items()}
         keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
         values_all = v_cache.view(-1, *v_cache.shape[2:])
         for dst_rank, (source_runs, heads, runs) in self.by_rank.items():  # one gather per destination rank
-            sender = self.senders[dst_rank]
-            keys, values = (in_place(cache[:, heads], source_runs) for cache in (keys_all, values_all))
-            if keys is None or values is None:  # gathered: into the sender's own memory when it has some
+            sender, rows = self.senders[dst_rank], self.rows[dst_rank]
+            if rows is not None:  # one range of the cache: sent as it lies
+                keys, values = keys_all[rows, heads], values_all[rows, heads]
+            else:  # gathered: into the sender's own memory when it has some
                 shape = (sum(n for _, n in source_runs), heads.stop - heads.start, keys_all.shape[-1])
                 keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype) or (None, None)
                 keys = gather_rows(keys_all[:, heads], source_runs, keys_out)  # [sum(tokens), its heads, D]
@@ -84,14 +88,14 @@ class PlanSink:
                              max((r.seconds for r in results), default=0.0))
 
 
-def in_place(src: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor | None:
-    """The rows of `runs` as a view of `src` [slots, heads, D] when they are one contiguous range of it, else None."""
+def in_place(src: torch.Tensor, runs: list[tuple[int, int]]) -> slice | None:
+    """The rows of `runs` as a slice of `src` [slots, heads, D] when they are one contiguous range of it (of
+    every layer's cache alike), else None."""
     ranges = merge_runs(runs)
     if len(ranges) != 1:
         return None
     (slot, n), = ranges
-    rows = src[slot:slot + n]
-    return rows if rows.is_contiguous() else None
+    return slice(slot, slot + n) if src[slot:slot + n].is_contiguous() else None
 
 
 def by_destination(pieces: tuple[Piece, ...]) -> dict[int, tuple[list[tuple[int, int]], slice, list[tuple[int, int]]]]:
