@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -290,17 +291,20 @@ class TorchP2PReceiver:
         """Every announced layer's keys and values receives, posted now: straight into the cache where the
         receiver lets them land, else into a buffer written at END; a refused piece's into one buffer, dropped."""
         key, tag = (source, stream.request_id), payload_tag(stream_id)
+        landed = None  # per layer, its keys' and values' slots in the cache
+        if key not in self._refused:
+            try:
+                landed = stream.landings.enter_context(
+                    self.receiver.landing(stream.request_id, layers, stream.runs, shape, dtype))
+            except (PieceRejected, NoReservation) as e:
+                self._refused[key] = str(e)
+        if landed is not None:
+            self._written[key] = self._written.get(key, 0) + len(layers) * 2 * math.prod(shape) * dtype.itemsize
         dropped = None  # one buffer for every refused layer: what arrives there is never read
-        for layer in layers:
+        for i, layer in enumerate(layers):
             views = buffer = None
-            if key not in self._refused:
-                try:
-                    views = stream.landings.enter_context(
-                        self.receiver.landing(stream.request_id, layer, stream.runs, shape, dtype))
-                except (PieceRejected, NoReservation) as e:
-                    self._refused[key] = str(e)
-            if views is not None:
-                self._written[key] = self._written.get(key, 0) + 2 * views[0].numel() * views[0].element_size()
+            if landed is not None:
+                views = landed[i]
             elif key in self._refused:
                 dropped = views = dropped if dropped is not None else torch.empty((2, *shape), dtype=dtype)
             else:

@@ -85,20 +85,22 @@ class KVReceiver:
         k_cache, v_cache = self.kv_cache[layer]
         with self.lock:  # checked and written atomically: a reservation cannot be freed in between
             self._check_reserved(request_id, runs)
-            for cache, rows in ((k_cache, keys), (v_cache, values)):
-                scatter_rows(cache.view(-1, self.num_heads, self.head_dim), runs, rows.to(cache))
+            scatter_rows(k_cache.view(-1, self.num_heads, self.head_dim), runs, keys)
+            scatter_rows(v_cache.view(-1, self.num_heads, self.head_dim), runs, values)
         return 2 * keys.numel() * keys.element_size()
 
     @contextlib.contextmanager
-    def landing(self, request_id: str, layer: int, runs: list[tuple[int, int]], shape: tuple[int, ...],
-                dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Where a transport may receive a layer's keys and values [shape] straight into the cache: views of
-        the cache's slots when this receiver allows it (`on_landed`) and `runs` are one range, else None
-        (receive elsewhere, then `write_runs`). The piece is checked first, as `write_runs` checks it. A
-        receive that fails leaves the range half written: the transfer fails, and decode recomputes."""
+    def landing(self, request_id: str, layers: range, runs: list[tuple[int, int]], shape: tuple[int, ...],
+                dtype: torch.dtype) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """Where a transport may receive the keys and values [shape] of each of `layers` straight into the
+        cache: per layer, views of the cache's slots when this receiver allows it (`on_landed`) and `runs` are
+        one range, else None (receive elsewhere, then `write_runs`). The pieces are checked first, as
+        `write_runs` checks them, once for every layer. A receive that fails leaves the range half written:
+        the transfer fails, and decode recomputes."""
         ranges = merge_runs(runs)
-        self._check_layout(layer, runs, pieces=(shape, dtype))
-        if self.on_landed is None or len(ranges) != 1:
+        for layer in (layers[0], layers[-1]) if layers else ():  # a range: its ends bound every layer
+            self._check_layout(layer, runs, pieces=(shape, dtype))
+        if self.on_landed is None or len(ranges) != 1 or not layers:
             yield None
             return
         with self.lock:
@@ -106,8 +108,8 @@ class KVReceiver:
             self._landings[request_id] += 1
         (slot, n), = ranges
         try:
-            yield tuple(cache.view(-1, self.num_heads, self.head_dim)[slot:slot + n]  # [n, heads, head_dim]
-                        for cache in self.kv_cache[layer])
+            yield [tuple(cache.view(-1, self.num_heads, self.head_dim)[slot:slot + n]  # [n, heads, head_dim]
+                         for cache in self.kv_cache[layer]) for layer in layers]
         finally:
             with self.lock:
                 self._landings[request_id] -= 1
@@ -150,10 +152,11 @@ SLICE_COPIES = 16  # up to this many contiguous destination ranges, a copy each 
 def scatter_rows(dst: torch.Tensor, runs: list[tuple[int, int]], rows: torch.Tensor) -> None:
     """dst[slot:slot + n] = the next n of `rows`, for each (slot, n) of `runs` in order (`gather_rows`
     undone). Runs that continue one another (a fresh reservation's blocks usually do) are copied as one
-    range at memcpy speed; past SLICE_COPIES ranges, one `index_copy_` moves them all."""
+    range at memcpy speed; past SLICE_COPIES ranges, one `index_copy_` moves them all. `rows` may lie on
+    another device."""
     ranges = merge_runs(runs)
     if len(ranges) > SLICE_COPIES:
-        as_words(dst).index_copy_(0, run_rows(runs), as_words(rows.contiguous()))
+        as_words(dst).index_copy_(0, run_rows(runs).to(dst.device), as_words(rows.to(dst.device).contiguous()))
         return
     first = 0
     for slot, n in ranges:

@@ -626,30 +626,32 @@ def landing_receiver(on_landed=lambda rid: None):
 def test_a_piece_lands_in_the_slots_its_runs_name_and_only_while_the_receiver_allows_it():
     kv, tables, receiver = landing_receiver()
     keys, values = torch.randn(2, 20, 3, 8)
-    with receiver.landing("r", 1, [(16, 8), (24, 12)], (20, 3, 8), torch.float32) as views:
+    with receiver.landing("r", range(1, 2), [(16, 8), (24, 12)], (20, 3, 8), torch.float32) as landed:
         assert receiver.landings("r") == 1
+        (views,) = landed
         views[0].copy_(keys)  # what a transport's receive does
         views[1].copy_(values)
     assert receiver.landings("r") == 0
     assert torch.equal(kv[1][0].view(-1, 3, 8)[16:36], keys) and torch.equal(kv[1][1].view(-1, 3, 8)[16:36], values)
     assert not kv[1][0].view(-1, 3, 8)[36:].any() and not kv[0][0].any()  # nothing else written
-    with receiver.landing("r", 1, [(16, 4), (32, 4)], (8, 3, 8), torch.float32) as views:
+    with receiver.landing("r", range(1, 2), [(16, 4), (32, 4)], (8, 3, 8), torch.float32) as views:
         assert views is None  # two ranges: the transport receives elsewhere and writes
     _, _, buffered_only = landing_receiver(on_landed=None)
-    with buffered_only.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32) as views:
+    with buffered_only.landing("r", range(2), [(16, 4)], (4, 3, 8), torch.float32) as views:
         assert views is None  # an owner that cannot hold blocks back does not let KV land
 
 
-@pytest.mark.parametrize("request_id,runs,shape,error", [
-    ("ghost", [(16, 4)], (4, 3, 8), "no KV reservation"),
-    ("r", [(40, 10)], (10, 3, 8), "not inside blocks reserved"),
-    ("r", [(16, 4)], (4, 2, 8), r"pieces must be \[4, 3, 8\] torch.float32"),
+@pytest.mark.parametrize("request_id,layers,runs,shape,error", [
+    ("ghost", range(2), [(16, 4)], (4, 3, 8), "no KV reservation"),
+    ("r", range(2), [(40, 10)], (10, 3, 8), "not inside blocks reserved"),
+    ("r", range(2), [(16, 4)], (4, 2, 8), r"pieces must be \[4, 3, 8\] torch.float32"),
+    ("r", range(1, 3), [(16, 4)], (4, 3, 8), r"layer 2 is out of range \[0, 2\)"),
 ])
-def test_a_landing_outside_its_reservation_or_of_the_wrong_shape_is_refused_before_any_view(request_id, runs, shape,
-                                                                                            error):
+def test_a_landing_outside_its_reservation_or_of_the_wrong_shape_is_refused_before_any_view(request_id, layers, runs,
+                                                                                            shape, error):
     _, _, receiver = landing_receiver()
     with pytest.raises((PieceRejected, NoReservation), match=error):
-        with receiver.landing(request_id, 0, runs, shape, torch.float32):
+        with receiver.landing(request_id, layers, runs, shape, torch.float32):
             pytest.fail("a refused piece got views of the cache")
     assert receiver.landings(request_id) == 0
 
@@ -658,7 +660,7 @@ def test_a_reservation_that_ends_mid_landing_is_told_when_the_landing_closes_eve
     landed = []
     _, tables, receiver = landing_receiver(on_landed=landed.append)
     with pytest.raises(RuntimeError, match="the peer died"):
-        with receiver.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32):
+        with receiver.landing("r", range(1), [(16, 4)], (4, 3, 8), torch.float32):
             with receiver.lock:  # the owner ends the reservation (a cancel) while KV lands
                 del tables["r"]
                 assert receiver.landings("r") == 1  # so it holds the blocks back
@@ -666,7 +668,7 @@ def test_a_reservation_that_ends_mid_landing_is_told_when_the_landing_closes_eve
             raise RuntimeError("the peer died")  # the receive fails
     assert landed == ["r"] and receiver.landings("r") == 0
     tables["r"] = (1, 2)
-    with receiver.landing("r", 0, [(16, 4)], (4, 3, 8), torch.float32):
+    with receiver.landing("r", range(1), [(16, 4)], (4, 3, 8), torch.float32):
         pass
     assert landed == ["r"]  # a landing that closes while its reservation lives is nobody's business
 

@@ -131,7 +131,7 @@ def test_a_prefill_slower_than_the_lease_is_prefilled_on_decode_with_the_same_to
 def landing(core: DecodeCore, request_id: str):
     """The first block's keys and values landing, as a transport receiving into the cache opens it."""
     k_cache = core.engine.kv_cache[0][0]
-    return core.receiver.landing(request_id, 0, [(core.reservations[request_id][0] * k_cache.shape[1], 4)],
+    return core.receiver.landing(request_id, range(1), [(core.reservations[request_id][0] * k_cache.shape[1], 4)],
                                  (4, *k_cache.shape[2:]), k_cache.dtype)
 
 
@@ -142,16 +142,16 @@ def test_blocks_a_cancel_frees_while_kv_lands_in_them_are_held_until_the_landing
     prompt = [5 + i % 200 for i in range(40)]
     try:
         core.reserve("cancelled", prompt, LONG)
-        with landing(core, "cancelled") as views:
+        with landing(core, "cancelled") as [(keys, _)]:
             assert core.cancel("cancelled")  # the client left mid-push
             assert engine.blocks.num_used_blocks == 3  # not reusable while the receive writes into them
-            views[0].fill_(1.0)
+            keys.fill_(1.0)
         wait_until(lambda: engine.blocks.num_used_blocks == 0)  # freed on the engine thread once closed
 
         core.reserve("joined", prompt, LONG)  # KV still landing when the router joins: recomputed, not trusted
-        with landing(core, "joined") as views:
+        with landing(core, "joined") as [(keys, _)]:
             stream = core.join("joined", first_token=7).result()
-            views[0].fill_(torch.nan)  # a late write cannot reach the recomputed request's blocks
+            keys.fill_(torch.nan)  # a late write cannot reach the recomputed request's blocks
         tokens, event = [], None
         while event is None or not event.finish_reason:
             event = stream.get(timeout=60)
