@@ -36,7 +36,6 @@ from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
 from kvtransfer.sink import PlanSink  # noqa: E402
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender, part_pair  # noqa: E402
 from kvtransfer.transport import KVReceiver  # noqa: E402
-from protos.infermesh.v1 import internal_pb2_grpc  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
@@ -75,7 +74,7 @@ def serve_stream(module: str, tokens: int, ports, stop) -> None:
     src, dst = layouts(tokens)
     receiver = KVReceiver(cache(2 * len(src.block_table)), lambda rid: dst.block_table)
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    internal_pb2_grpc.add_KVTransferServicer_to_server(transport.Endpoint.service(receiver), server)
+    grpc_stream.add_to_server(transport.Endpoint.service(receiver), server)
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     stop.wait()

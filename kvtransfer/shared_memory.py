@@ -158,7 +158,8 @@ class SharedMemoryService(grpc_stream.KVTransferService):
 
     @contextlib.contextmanager
     def reader(self):
-        def tensors(msg, dtype, shape, size):
+        def tensors(piece, dtype, shape, size):
+            msg = piece.head
             data = self._file(msg.shm_path)
             values_offset = msg.shm_values_offset if msg.HasField("shm_values_offset") else msg.shm_offset + size
             layers = [(msg.layer, ("shm_offset", msg.shm_offset), ("shm_values_offset", values_offset))]

@@ -53,7 +53,7 @@ def pair(tiny_checkpoint, request):
                          kv_memory=shm_arena.shared_zeros if shared else None)
     decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
     service = transport.Endpoint.service(KVReceiver(decode.kv_cache, reservations(decode)))
-    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
                                                      "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield prefill, decode, channel, LLM(str(folder), dtype="float32"), transport.Dialer.sender
@@ -193,6 +193,45 @@ def test_a_layer_message_written_by_hand_is_what_protobuf_writes_and_reads(token
     assert internal_pb2.KVPiece.FromString(by_hand) == piece
     if tokens:  # protobuf leaves empty bytes fields out; the hand-written message has them, empty
         assert by_hand == piece.SerializeToString()
+
+
+def test_a_message_read_off_the_wire_is_what_protobuf_reads_in_any_field_order():
+    keys, values, stale = (torch.randn(5, 3, 64).bfloat16() for _ in range(3))
+    head = internal_pb2.KVPiece(request_id="req-1", layer=300, dst_rank=1, dst_slots=[32, (1 << 32) - 1],
+                                run_tokens=[5, 0], dtype=internal_pb2.DTYPE_BFLOAT16, shm_values_offset=0,
+                                more_layers=[internal_pb2.KVLayerRef(layer=2, keys_offset=7)])
+    field = grpc_stream._field_prefix
+    k, v, old = (bytes(grpc_stream.tensor_buffer(t)) for t in (keys, values, stale))
+    orders = [grpc_stream.wire_message(head, keys, values),
+              field(grpc_stream.VALUES_FIELD, len(v)) + v + head.SerializeToString() + field(grpc_stream.KEYS_FIELD,
+                                                                                               len(k)) + k,
+              field(grpc_stream.KEYS_FIELD, len(old)) + old + grpc_stream.wire_message(head, keys, values)]  # last wins
+    for data in orders + [head.SerializeToString()]:
+        piece = grpc_stream.read_piece(data)
+        reference = internal_pb2.KVPiece.FromString(data)
+        assert bytes(piece.keys) == reference.keys and bytes(piece.values) == reference.values
+        reference.ClearField("keys")
+        reference.ClearField("values")
+        assert piece.head == reference == head
+
+
+@pytest.mark.parametrize("data,error", [
+    (b"\x08", "malformed or truncated varint"),  # layer's value missing
+    (b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", "malformed or truncated varint"),
+    (b"\x3a\x10abc", "truncated: field 7 ends at byte 18 of 5"),  # keys says 16 bytes, carries 3
+    (b"\x0b\x0c", "field 1 has wire type 3"),
+    (b"\x0a\x02\xff\xfe", "does not parse"),  # request_id is not UTF-8
+])
+def test_a_malformed_message_is_refused_by_name_and_the_service_keeps_serving(pair, data, error):
+    _, decode, channel, _, _ = pair
+    with pytest.raises(PieceRejected, match=error):
+        grpc_stream.read_piece(data)
+    push = channel.stream_unary("/infermesh.v1.KVTransfer/Push", request_serializer=None,
+                                response_deserializer=internal_pb2.PushResponse.FromString)
+    with pytest.raises(grpc.RpcError) as refused:
+        push(iter([data]), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and error.split(":")[0] in refused.value.details()
+    assert push(iter([]), timeout=10) == internal_pb2.PushResponse()  # and the next stream is served
 
 
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
@@ -806,7 +845,7 @@ def test_a_push_from_a_shared_cache_is_read_by_decode_before_the_step_that_made_
         return table
 
     service = shared_memory.Endpoint.service(KVReceiver(kv, reserved))
-    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
                                                      "infermesh.v1.KVTransfer")])
     try:
         sink = PlanSink(num_tokens=256, num_kv_heads=4, block_size=16, num_layers=1,
@@ -837,7 +876,7 @@ def test_layers_read_from_a_shared_cache_go_out_a_batch_a_message_and_land_exact
               for i in range(layers)]
     kv = [(torch.zeros(16, 16, 2, 32), torch.zeros(16, 16, 2, 32)) for _ in range(layers)]
     service = shared_memory.Endpoint.service(KVReceiver(kv, lambda rid: tuple(range(16))))
-    server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_KVTransferServicer_to_server, service,
+    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
                                                      "infermesh.v1.KVTransfer")])
     runs = [[(0, 128)]] + [[(0, 64), (128, 64)]] * 4  # the runs change at layer 1: a new message
     try:
