@@ -171,7 +171,8 @@ class SharedMemoryService(grpc_stream.KVTransferService):
                     if offset % dtype.itemsize or offset + size > data.numel():
                         raise PieceRejected(f"{name} {offset} + {size} bytes is not inside {msg.shm_path} "
                                             f"({data.numel()} bytes) at a multiple of {dtype.itemsize}")
-            return [(layer, *(data[offset:offset + size].view(dtype).view(shape) for _, offset in offsets))
+            typed, strides = data.view(dtype), (shape[1] * shape[2], shape[2], 1)  # one op a tensor, not three
+            return [(layer, *(typed.as_strided(shape, strides, offset // dtype.itemsize) for _, offset in offsets))
                     for layer, *offsets in layers]
 
         yield tensors
