@@ -6,8 +6,10 @@ from a prefill cache (block 16) into reserved decode blocks (block 16), over eac
 Rows: gRPC stream and shared memory (a sending process and a serving one, over loopback), shared memory again
 with the sender's cache in /dev/shm (`--shared-kv-cache`: decode copies straight from it), torch.distributed
 p2p over a gloo pair group (two processes), each process on one intra-op thread, and two floors of the same
-bytes: one gloo send of a single tensor (for the network transports) and one single-threaded memcpy (for
-shared memory). A push is what a prefill rank does: `PlanSink` taking each layer and sending it.
+bytes: one gloo send of a single tensor (for the network transports; timed alternately with the p2p pushes) and
+one single-threaded memcpy (for shared memory; timed after each push from prefill's shared cache, so that
+floor and push share the host's minute). A push is what a prefill rank does: `PlanSink` taking each layer and
+sending it.
 """
 
 from __future__ import annotations
@@ -81,16 +83,17 @@ def serve_stream(module: str, tokens: int, ports, stop) -> None:
     server.stop(None)
 
 
-def bench_stream(transport, tokens: int, repeats: int, memory=None) -> float:
+def bench_stream(transport, tokens: int, repeats: int, memory=None, floor=None) -> tuple[float, float | None]:
     """A transport of the gRPC stream protocol (`grpc_stream`, `shared_memory`): this process sends (from a
-    cache in `memory`, see `cache`), a second one serves."""
+    cache in `memory`, see `cache`), a second one serves. Medians of the pushes and, when given, of
+    `floor()`'s seconds timed after each push (a floor measured in the same minutes)."""
     spawn = mp.get_context("spawn")
     ports, stop = spawn.SimpleQueue(), spawn.Event()
     server = spawn.Process(target=serve_stream, args=(transport.__name__, tokens, ports, stop))
     server.start()
     src, _ = layouts(tokens)
     kv = cache(2 * len(src.block_table), memory)
-    times, threads = [], torch.get_num_threads()
+    times, floors, threads = [], [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{ports.get()}") as ch:
@@ -98,24 +101,27 @@ def bench_stream(transport, tokens: int, repeats: int, memory=None) -> float:
                 start = time.perf_counter()
                 push(transport.Dialer.sender(ch, f"r{i}", 0), kv, tokens)
                 times.append(time.perf_counter() - start)
+                if floor is not None and i:
+                    floors.append(floor())
     finally:
         torch.set_num_threads(threads)
         stop.set()
         server.join()
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), statistics.median(floors) if floors else None
 
 
-def memcpy_seconds(total: int, repeats: int) -> float:
-    """One thread copying `total` bytes (numpy's copy: single-threaded), pages touched beforehand."""
-    src, dst = np.random.bytes(total), np.empty(total, dtype=np.uint8)
-    src = np.frombuffer(src, dtype=np.uint8)
+def memcpy(total: int):
+    """A callable timing one thread copying `total` bytes (numpy's copy: single-threaded), pages touched
+    beforehand."""
+    src, dst = np.frombuffer(np.random.bytes(total), dtype=np.uint8), np.empty(total, dtype=np.uint8)
     np.copyto(dst, src)
-    times = []
-    for _ in range(repeats):
+
+    def seconds() -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return seconds
 
 
 def p2p_worker(rank: int, port: int, tokens: int, repeats: int, results) -> None:
@@ -153,9 +159,8 @@ def main() -> None:
     keep_freed_heap()  # this process sends, as a prefill rank
     tokens, repeats = (64, 2) if args.quick else (args.tokens, 5)
     total = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 2
-    grpc_s, shm_s = bench_stream(grpc_stream, tokens, repeats), bench_stream(shared_memory, tokens, repeats)
-    shm_cache_s = bench_stream(shared_memory, tokens, repeats, shm_arena.shared_zeros)
-    memcpy_s = memcpy_seconds(total, repeats)
+    (grpc_s, _), (shm_s, _) = bench_stream(grpc_stream, tokens, repeats), bench_stream(shared_memory, tokens, repeats)
+    shm_cache_s, memcpy_s = bench_stream(shared_memory, tokens, repeats, shm_arena.shared_zeros, memcpy(total))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -163,7 +168,8 @@ def main() -> None:
     mp.spawn(p2p_worker, args=(port, tokens, 3 * repeats, results), nprocs=2)  # noisier than the rest: more
     p2p_s, floor_s = results.get()
     print(f"### KV transfer, {tokens} tokens, {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM} bf16 "
-          f"= {total / 1e6:.1f} MB, median of {repeats} (torch p2p and its floor: {3 * repeats}, alternating)\n")
+          f"= {total / 1e6:.1f} MB, median of {repeats} (torch p2p and its floor: {3 * repeats}, alternating; the "
+          f"memcpy timed after each push from prefill's shared cache)\n")
     print("| transport | seconds | GB/s |\n|---|---|---|")
     for name, seconds in (("gRPC stream (loopback)", grpc_s), ("torch p2p (gloo pair group)", p2p_s),
                           ("floor: one gloo send of the same bytes", floor_s), ("shared memory (one host)", shm_s),
