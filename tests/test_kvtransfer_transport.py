@@ -200,12 +200,13 @@ def test_a_message_read_off_the_wire_is_what_protobuf_reads_in_any_field_order()
     head = internal_pb2.KVPiece(request_id="req-1", layer=300, dst_rank=1, dst_slots=[32, (1 << 32) - 1],
                                 run_tokens=[5, 0], dtype=internal_pb2.DTYPE_BFLOAT16, shm_values_offset=0,
                                 more_layers=[internal_pb2.KVLayerRef(layer=2, keys_offset=7)])
-    field = grpc_stream._field_prefix
-    k, v, old = (bytes(grpc_stream.tensor_buffer(t)) for t in (keys, values, stale))
+    keys_field, values_field, stale_keys_field = (
+        grpc_stream._field_prefix(number, t.numel() * t.element_size()) + bytes(grpc_stream.tensor_buffer(t))
+        for number, t in ((grpc_stream.KEYS_FIELD, keys), (grpc_stream.VALUES_FIELD, values),
+                          (grpc_stream.KEYS_FIELD, stale)))
     orders = [grpc_stream.wire_message(head, keys, values),
-              field(grpc_stream.VALUES_FIELD, len(v)) + v + head.SerializeToString() + field(grpc_stream.KEYS_FIELD,
-                                                                                               len(k)) + k,
-              field(grpc_stream.KEYS_FIELD, len(old)) + old + grpc_stream.wire_message(head, keys, values)]  # last wins
+              values_field + head.SerializeToString() + keys_field,  # the tensors around the other fields
+              stale_keys_field + grpc_stream.wire_message(head, keys, values)]  # keys twice: the last one counts
     for data in orders + [head.SerializeToString()]:
         piece = grpc_stream.read_piece(data)
         reference = internal_pb2.KVPiece.FromString(data)
