@@ -39,6 +39,8 @@ class PlanSink:
 
     def push_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: tuple[int, ...],
                    stripe: KVStripe) -> None:
+        keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
+        values_all = v_cache.view(-1, *v_cache.shape[2:])
         if self.pieces is None:
             for sender in self.senders:
                 sender.open(self.last_layer)  # each layer goes with the same runs
@@ -51,10 +53,8 @@ class PlanSink:
             except ValueError as e:
                 self.pieces, self.error = (), TransferError(f"no transfer plan: {e}")
             self.by_rank = by_destination(self.pieces)
-            self.rows = {dst_rank: in_place(k_cache.view(-1, *k_cache.shape[2:])[:, heads], source_runs)
+            self.rows = {dst_rank: in_place(keys_all[:, heads], source_runs)
                          for dst_rank, (source_runs, heads, _) in self.by_rank.items()}
-        keys_all = k_cache.view(-1, *k_cache.shape[2:])  # [slots, heads, head_dim]
-        values_all = v_cache.view(-1, *v_cache.shape[2:])
         for dst_rank, (source_runs, heads, runs) in self.by_rank.items():  # one gather per destination rank
             sender, rows = self.senders[dst_rank], self.rows[dst_rank]
             if rows is not None:  # one range of the cache: sent as it lies
