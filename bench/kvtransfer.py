@@ -3,19 +3,18 @@ from a prefill cache (block 16) into reserved decode blocks (block 16), over eac
 
     python bench/kvtransfer.py [--tokens 2048] [--quick]
 
-Rows: gRPC stream and shared memory (a sending process and a serving one, over loopback), shared memory again
-with the sender's cache in /dev/shm (`--shared-kv-cache`: decode copies straight from it), torch.distributed
-p2p over a gloo pair group (two processes), each process on one intra-op thread, and two floors of the same
-bytes: one gloo send of a single tensor (for the network transports; timed alternately with the p2p pushes) and
-one single-threaded memcpy (for shared memory; timed after each push from prefill's shared cache, so that
-floor and push share the host's minute). A push is what a prefill rank does: `PlanSink` taking each layer and
-sending it.
+Rows: gRPC stream and shared memory (a sending process and a serving one: over loopback, over a Unix socket),
+shared memory again with the sender's cache in /dev/shm (`--shared-kv-cache`: decode copies straight from it),
+torch.distributed p2p over a gloo pair group (two processes), each process on one intra-op thread, and two
+floors of the same bytes: one gloo send of a single tensor (for the network transports; timed alternately with
+the p2p pushes) and one single-threaded memcpy (for shared memory; timed after each push from prefill's shared
+cache, so that floor and push share the host's minute). A push is what a prefill rank does: `PlanSink` taking
+each layer and sending it.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import socket
 import statistics
 import sys
@@ -34,6 +33,7 @@ from engine.heap import keep_freed_heap  # noqa: E402
 from engine.kv_cache import KVStripe  # noqa: E402
 from engine.parallel.groups import rendezvous, stateless_group  # noqa: E402
 from kvtransfer import grpc_stream, shared_memory, shm_arena  # noqa: E402
+from kvtransfer.grpc_stream import GrpcStreamSender  # noqa: E402
 from kvtransfer.plan import DecodeLayout, PrefillLayout  # noqa: E402
 from kvtransfer.sink import PlanSink  # noqa: E402
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender, part_pair  # noqa: E402
@@ -68,16 +68,22 @@ def push(sender, kv, tokens: int) -> None:
     sink.finish()
 
 
-def serve_stream(module: str, tokens: int, ports, stop) -> None:
-    """The decode side of a gRPC-stream-protocol transport, in a process of its own (as decode runs)."""
+def serve_stream(module: str, tokens: int, addresses, stop) -> None:
+    """The decode side of a transport of the gRPC stream protocol, in a process of its own (as decode runs): a
+    gRPC server (`grpc_stream`) or a socket (`shared_memory`); its address goes into `addresses`."""
     keep_freed_heap()  # as every engine process (engine.heap)
     torch.set_num_threads(1)  # one core each, as p2p's ranks
-    transport = importlib.import_module(module)
     src, dst = layouts(tokens)
     receiver = KVReceiver(cache(2 * len(src.block_table)), lambda rid: dst.block_table)
+    if module == shared_memory.__name__:
+        endpoint = shared_memory.Endpoint(0, 1, receiver, links=None, shared_address=None)
+        addresses.put(endpoint.address)
+        stop.wait()
+        endpoint.stop()
+        return
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    grpc_stream.add_to_server(transport.Endpoint.service(receiver), server)
-    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    grpc_stream.add_to_server(grpc_stream.KVTransferService(receiver), server)
+    addresses.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
     server.start()
     stop.wait()
     server.stop(None)
@@ -88,23 +94,28 @@ def bench_stream(transport, tokens: int, repeats: int, memory=None, floor=None) 
     cache in `memory`, see `cache`), a second one serves. Medians of the pushes and, when given, of
     `floor()`'s seconds timed after each push (a floor measured in the same minutes)."""
     spawn = mp.get_context("spawn")
-    ports, stop = spawn.SimpleQueue(), spawn.Event()
-    server = spawn.Process(target=serve_stream, args=(transport.__name__, tokens, ports, stop))
+    addresses, stop = spawn.SimpleQueue(), spawn.Event()
+    server = spawn.Process(target=serve_stream, args=(transport.__name__, tokens, addresses, stop))
     server.start()
     src, _ = layouts(tokens)
     kv = cache(2 * len(src.block_table), memory)
     times, floors, threads = [], [], torch.get_num_threads()
     torch.set_num_threads(1)
+    address = addresses.get()
+    channel = grpc.insecure_channel(address) if transport is grpc_stream else None
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{ports.get()}") as ch:
-            for i in range(repeats + 1):  # the first warms up both ends
-                start = time.perf_counter()
-                push(transport.Dialer.sender(ch, f"r{i}", 0), kv, tokens)
-                times.append(time.perf_counter() - start)
-                if floor is not None and i:
-                    floors.append(floor())
+        for i in range(repeats + 1):  # the first warms up both ends
+            sender = (GrpcStreamSender(channel, f"r{i}", 0) if channel is not None
+                      else shared_memory.SharedMemorySender(address, f"r{i}", 0))
+            start = time.perf_counter()
+            push(sender, kv, tokens)
+            times.append(time.perf_counter() - start)
+            if floor is not None and i:
+                floors.append(floor())
     finally:
         torch.set_num_threads(threads)
+        if channel is not None:
+            channel.close()
         stop.set()
         server.join()
     return statistics.median(times[1:]), statistics.median(floors) if floors else None

@@ -50,6 +50,14 @@ def wire_message(piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.
     return b"".join([head, _field_prefix(KEYS_FIELD, k.nbytes), k, _field_prefix(VALUES_FIELD, v.nbytes), v])
 
 
+def piece_head(request_id: str, dst_rank: int, layer: int, runs: list[tuple[int, int]],
+               dtype: torch.dtype) -> internal_pb2.KVPiece:
+    """A layer's `KVPiece` for `dst_rank` without its keys and values: `runs` of (first slot, tokens)."""
+    return internal_pb2.KVPiece(request_id=request_id, layer=layer, dst_rank=dst_rank,
+                                dst_slots=[slot for slot, _ in runs], run_tokens=[n for _, n in runs],
+                                dtype=WIRE_DTYPES[dtype])
+
+
 @dataclass(frozen=True, slots=True)
 class WirePiece:
     """A `KVPiece` as it came off the wire: `head` its other fields, parsed; `keys` and `values` its two
@@ -148,22 +156,14 @@ class GrpcStreamSender(KVSender):
                 continue
 
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._post(self._piece(self._message(layer, runs, keys.dtype), keys, values))
-
-    def _message(self, layer: int, runs: list[tuple[int, int]], dtype: torch.dtype) -> internal_pb2.KVPiece:
-        return internal_pb2.KVPiece(request_id=self.request_id, layer=layer, dst_rank=self.dst_rank,
-                                    dst_slots=[slot for slot, _ in runs], run_tokens=[n for _, n in runs],
-                                    dtype=WIRE_DTYPES[dtype])
+        head = piece_head(self.request_id, self.dst_rank, layer, runs, keys.dtype)
+        self._post(wire_message(head, keys, values))
 
     def _post(self, message: bytes) -> None:
         """One serialised `KVPiece` onto the stream (opened by the first)."""
         if self._call is None:
             self._call = self._push.future(self._requests(), timeout=self.timeout_s)
         self._put(message)
-
-    def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-        """The layer's message, serialized, with its keys and values in it."""
-        return wire_message(piece, keys, values)
 
     def _finish(self, timeout_s: float) -> None:
         if self._call is None:

@@ -1,5 +1,6 @@
-"""KV transfer through shared memory, for a prefill and a decode instance on one host: the `grpc_stream`
-protocol, whose messages say where each layer's keys and values lie instead of carrying them.
+"""KV transfer through shared memory, for a prefill and a decode instance on one host: messages of the
+`grpc_stream` protocol that say where each layer's keys and values lie instead of carrying them, over a Unix
+socket (`local_socket`: a fifth of a gRPC stream's latency, which was a third of a push).
 
 A prefill rank gathers each layer's keys and values for a decode rank straight into a region of its
 process's staging file in /dev/shm (`shm_arena`: mapped once, regions reused push after push); the
@@ -17,10 +18,12 @@ cache, and decode copies them from there. Such layers go out together, about `BA
 blocks may be reused once the step that pushed ends, so such a sender waits at the step's last layer
 (`settle`) until decode acknowledged the push: at most a batch of copying.
 
-The staging file is named after its process and unlinked when the process exits; one whose process was
-killed is removed by the next sender on the host (`sweep`). A path that is not one of ours in /dev/shm
-is refused, and a decode rank on another host cannot open the file: the push fails and decode
-recomputes the prompt, so pick this transport for prefill and decode instances that share a host.
+Each decode rank's endpoint is a socket in /dev/shm (its address is the path), open to its user's
+processes only. The staging file and the socket are named after their process and removed when it exits;
+those of a process that was killed are removed by the next sender on the host (`sweep`). A path that is not
+one of ours in /dev/shm is refused, and a prefill rank on another host cannot reach the socket: the push
+fails and decode recomputes the prompt, so pick this transport for prefill and decode instances that share a
+host. A refusal names its type (`NoReservation`, `PieceRejected`, ...), as `engine.errors` has it.
 
 The transport entry `shared_memory` (`kvtransfer.transports`).
 """
@@ -37,9 +40,10 @@ import warnings
 
 import torch
 
-from kvtransfer import grpc_stream
+from kvtransfer import grpc_stream, local_socket
+from kvtransfer.grpc_stream import piece_head
 from kvtransfer.shm_arena import PREFIX, SHM_DIR, Region, alive, arena, owner_pid, sweep
-from kvtransfer.transport import PieceRejected, TransferError, TransferState, TransferStats
+from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError, TransferState, TransferStats
 from protos.infermesh.v1 import internal_pb2
 
 # decode maps the sender's file read-only and only reads from it: torch need not warn
@@ -47,9 +51,13 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", mo
 BATCH_BYTES = 16 << 20  # layers read from the cache, per message
 
 
-class SharedMemorySender(grpc_stream.GrpcStreamSender):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+class SharedMemorySender(KVSender):
+    """One request's push to the decode rank whose socket is at `address`."""
+
+    def __init__(self, address: str, request_id: str, dst_rank: int, *, timeout_s: float = 60.0) -> None:
+        super().__init__()
+        self.address, self.request_id, self.dst_rank, self.timeout_s = address, request_id, dst_rank, timeout_s
+        self._connection: local_socket.Connection | None = None  # opened by the first message
         self._regions: list[Region] = []
         self._reads_cache = False  # a piece names the prefill's cache itself: decode must read it before reuse
         self._stats: TransferStats | None = None  # the push, acknowledged at `settle`
@@ -83,7 +91,8 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
     def _send_layer(self, layer: int, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor) -> None:
         offsets = [arena().owns(t) if t.is_contiguous() else None for t in (keys, values)]
         if None in offsets or any(r.offset <= offsets[0] < r.offset + r.size for r in self._regions):
-            super()._send_layer(layer, runs, keys, values)  # gathered into a region, or staged now
+            head = piece_head(self.request_id, self.dst_rank, layer, runs, keys.dtype)
+            self._post(self._piece(head, keys, values))  # gathered into a region, or staged now
             return
         if self._batch and runs != self._batch_runs:
             self._send_batch()
@@ -99,14 +108,21 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
         if not self._batch:
             return
         (layer, keys, values), *more = self._batch
-        piece = self._message(layer, self._batch_runs, self._batch_dtype)
+        piece = piece_head(self.request_id, self.dst_rank, layer, self._batch_runs, self._batch_dtype)
         piece.shm_path, piece.shm_offset, piece.shm_values_offset = self.path, keys, values
         piece.more_layers.extend(internal_pb2.KVLayerRef(layer=layer, keys_offset=keys, values_offset=values)
                                  for layer, keys, values in more)
         self._batch, self._batch_bytes = [], 0
         self._post(piece.SerializeToString())
 
+    def _post(self, message: bytes) -> None:
+        """One serialised `KVPiece` to decode (the first opens the connection)."""
+        if self._connection is None:
+            self._connection = local_socket.Connection(self.address, self.timeout_s, f"KV push to rank {self.dst_rank}")
+        self._connection.send(message)
+
     def _piece(self, piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+        """The layer's message, its keys and values staged in the arena unless they lie there."""
         if arena().owns(keys) is None or not (keys.is_contiguous() and values.is_contiguous()):
             staged = self._take(2 * keys.numel() * keys.element_size()).view(keys.dtype).view(2, *keys.shape)
             staged[0].copy_(keys)
@@ -117,7 +133,8 @@ class SharedMemorySender(grpc_stream.GrpcStreamSender):
 
     def _finish(self, timeout_s: float) -> None:
         self._send_batch()
-        super()._finish(timeout_s)
+        if self._connection is not None:  # else nothing was sent to this rank
+            self._connection.finish(timeout_s)
 
     def settle(self) -> None:
         """Decode reads pieces straight from the cache: wait for its acknowledgement (a failure leaves this
@@ -195,16 +212,36 @@ def _map(path: str) -> torch.Tensor:
         os.close(fd)
 
 
-class Dialer(grpc_stream.Dialer):
-    sender = SharedMemorySender
+class Dialer:
+    """A prefill rank's pushes to decode ranks' sockets."""
 
     def __init__(self, rank: int, ranks: int, links) -> None:
-        super().__init__(rank, ranks, links)
         sweep()
 
+    def prepare(self, addresses: tuple[str, ...]) -> int:
+        return 0  # nothing to set up ahead of a push
 
-class Endpoint(grpc_stream.Endpoint):
-    service = SharedMemoryService
+    def senders(self, addresses: tuple[str, ...], link: int, request_id: str, timeout_s: float) -> list[KVSender]:
+        return [SharedMemorySender(a, request_id, r, timeout_s=timeout_s) for r, a in enumerate(addresses)]
+
+    def close(self) -> None:
+        pass  # a push's connection closes with it
 
 
-shared = grpc_stream.shared
+class Endpoint:
+    """A decode rank's socket in /dev/shm (`address`: its path), each push served on a thread of its own."""
+
+    def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str | None) -> None:
+        self.service = SharedMemoryService(receiver, rank)
+        self._server = local_socket.Server(SHM_DIR, PREFIX, self._push, links.thread_init if links else None)
+        self.address = self._server.path
+
+    def _push(self, frames) -> bytes:
+        return self.service.Push(frames, None).SerializeToString()
+
+    def stop(self) -> None:
+        self._server.close()
+
+
+def shared(host: str) -> None:
+    return None  # every decode rank serves on its own

@@ -5,6 +5,7 @@ recomputed on decode; shared memory refuses files that are not its own and leave
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.errors import NoReservation
 from engine.kv_cache import KVStripe
 from engine.weights import load_checkpoint
-from kvtransfer import grpc_stream, shared_memory, shm_arena
+from kvtransfer import grpc_stream, local_socket, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
@@ -42,9 +43,10 @@ def reservations(engine: EngineCore):
 
 @pytest.fixture
 def pair(tiny_checkpoint, request):
-    """A prefill engine (block size 8) and a decode engine (block size 16) behind a real gRPC server of the
-    transport module `request.param` (default grpc_stream; `(module, True)`: prefill's KV cache in shared
-    memory), and that module's sender class."""
+    """A prefill engine (block size 8) and a decode engine (block size 16) behind a real endpoint of the
+    transport module `request.param` (default grpc_stream: a gRPC server; shared_memory: its socket;
+    `(module, True)`: prefill's KV cache in shared memory), what its senders are given to reach it (a channel,
+    a path), and that module's sender class."""
     transport, shared = (request.param if isinstance(request.param, tuple) else (request.param, False)) \
         if hasattr(request, "param") else (grpc_stream, False)
     folder, _ = tiny_checkpoint("qwen3")
@@ -52,11 +54,17 @@ def pair(tiny_checkpoint, request):
     prefill = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64),
                          kv_memory=shm_arena.shared_zeros if shared else None)
     decode = EngineCore(checkpoint, EngineConfig(dtype="float32", block_size=16, num_kv_blocks=32))
-    service = transport.Endpoint.service(KVReceiver(decode.kv_cache, reservations(decode)))
-    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
+    receiver = KVReceiver(decode.kv_cache, reservations(decode))
+    reference = LLM(str(folder), dtype="float32")
+    if transport is shared_memory:
+        endpoint = shared_memory.Endpoint(0, 1, receiver, links=None, shared_address=None)
+        yield prefill, decode, endpoint.address, reference, shared_memory.SharedMemorySender
+        endpoint.stop()
+        return
+    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, transport.KVTransferService(receiver),
                                                      "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield prefill, decode, channel, LLM(str(folder), dtype="float32"), transport.Dialer.sender
+    yield prefill, decode, channel, reference, GrpcStreamSender
     channel.close()
     server.stop(None)
 
@@ -131,7 +139,8 @@ def test_a_piece_outside_the_reserved_blocks_is_refused(pair):
     outside = max(decode._sequences["r"].block_table) + 1
     sender = sender_class(channel, "r", 0)
     sender.send(0, Piece(0, 0, (0, 2), (0, 2), 0, outside * 16), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
-    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT: slots \[\d+, \d+\) are not inside blocks reserved"):
+    refusal = "PieceRejected" if sender_class is shared_memory.SharedMemorySender else "INVALID_ARGUMENT"
+    with pytest.raises(TransferError, match=rf"{refusal}: slots \[\d+, \d+\) are not inside blocks reserved"):
         sender.finish(timeout_s=10)
 
 
@@ -177,6 +186,14 @@ def test_an_unreachable_decode_fails_the_transfer_within_the_timeout():
             sender.send(0, Piece(0, 0, (0, 1), (0, 1), 0, 0), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
         sender.finish(timeout_s=5)
     assert sender.state is TransferState.FAILED
+
+
+def push_messages(address: str, *pieces: internal_pb2.KVPiece) -> bytes:
+    """`pieces` as one push to the shared-memory endpoint at `address`, written by hand; its reply."""
+    connection = local_socket.Connection(address, 10.0, "KV push")
+    for piece in pieces:
+        connection.send(piece.SerializeToString())
+    return connection.finish(10.0)
 
 
 def shm_files() -> set[str]:
@@ -237,7 +254,7 @@ def test_a_malformed_message_is_refused_by_name_and_the_service_keeps_serving(pa
 
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
 def test_shared_memory_refuses_a_file_that_is_not_its_own(pair, tmp_path):
-    _, decode, channel, _, _ = pair
+    _, decode, address, _, _ = pair
     decode.reserve("r", [5] * 10, GREEDY)
     slot = decode._sequences["r"].block_table[0] * 16
     outside = tmp_path / f"{shared_memory.PREFIX}x"
@@ -245,33 +262,32 @@ def test_shared_memory_refuses_a_file_that_is_not_its_own(pair, tmp_path):
     for path in ("/etc/passwd", f"{shared_memory.SHM_DIR}/../etc/passwd", str(outside), ""):
         piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
                                      dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path)
-        with pytest.raises(grpc.RpcError) as refused:
-            internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
-        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert f"shm_path must be a file {shared_memory.SHM_DIR}/{shared_memory.PREFIX}*" in refused.value.details()
+        with pytest.raises(TransferError, match=rf"PieceRejected: shm_path must be a file {shared_memory.SHM_DIR}/"
+                                                rf"{shared_memory.PREFIX}\*, got {path!r}"):
+            push_messages(address, piece)
     assert outside.exists()  # neither read nor unlinked
 
 
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
 def test_shared_memory_gives_regions_back_after_a_push_and_discards_those_of_failed_ones(pair):
-    prefill, decode, channel, _, sender_class = pair
+    prefill, decode, address, _, sender_class = pair
     staging = shm_arena.arena()
     before = staging.taken_bytes
-    sink, _, _ = transfer(prefill, decode, channel, "ok", [5 + i for i in range(37)], sender=sender_class)
+    sink, _, _ = transfer(prefill, decode, address, "ok", [5 + i for i in range(37)], sender=sender_class)
     sink.finish()
     assert staging.taken_bytes == before and staging.idle_bytes > 0  # acknowledged: ready for the next push
-    refused = sender_class(channel, "ghost", 0)  # no reservation: decode ends the stream at the first piece
+    refused = sender_class(address, "ghost", 0)  # no reservation: decode ends the stream at the first piece
     refused.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.full((1, 2, 32), 7.0), torch.full((1, 2, 32), 7.0))
     refused.flush()  # staged and sent
     (region,) = refused._regions
     assert region.tensor[:256].view(torch.float32).eq(7.0).all()
-    with pytest.raises(TransferError, match="NOT_FOUND"):
+    with pytest.raises(TransferError, match="NoReservation: request 'ghost' has no KV reservation here"):
         refused.finish(timeout_s=10)
     assert staging.taken_bytes == before and not refused._regions
     assert not region.tensor.any()  # its pages went back: a late reader sees zeros, not a later push
     assert all(staging.take(region.size).offset != region.offset for _ in range(3))  # nor handed out again soon
-    unreachable = sender_class(grpc.insecure_channel("127.0.0.1:1"), "r", 0, timeout_s=2)
-    with pytest.raises(TransferError):
+    unreachable = sender_class(f"{shared_memory.SHM_DIR}/{shared_memory.PREFIX}1-gone.sock", "r", 0, timeout_s=2)
+    with pytest.raises(TransferError, match="cannot connect to .*: No such file or directory"):
         unreachable.send(0, Piece(0, 0, (0, 1), (0, 2), 0, 0), torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
         unreachable.finish(timeout_s=5)
     assert not unreachable._regions and os.path.exists(unreachable.path)  # the file lives with its process
@@ -280,9 +296,9 @@ def test_shared_memory_gives_regions_back_after_a_push_and_discards_those_of_fai
 def test_the_staging_file_goes_with_its_process_and_a_full_dev_shm_fails_the_push_or_names_itself_to_a_cache():
     shm = os.statvfs(shm_arena.SHM_DIR)
     too_much = shm.f_bavail * shm.f_frsize + (1 << 30)  # more than /dev/shm has free
-    code = ("import grpc, torch\nfrom kvtransfer import shm_arena, shared_memory\n"
+    code = ("import torch\nfrom kvtransfer import shm_arena, shared_memory\n"
             "print(shm_arena.arena().path, flush=True)\n"
-            "s = shared_memory.SharedMemorySender(grpc.insecure_channel('127.0.0.1:1'), 'r', 0)\n"
+            "s = shared_memory.SharedMemorySender('/dev/shm/nothing.sock', 'r', 0)\n"
             f"assert s.layer_buffers(({too_much}, 1, 1), torch.int8) is None  # the sink gathers anywhere\n"
             f"try:\n    s._take({too_much})\nexcept Exception as e:\n    print(repr(e), flush=True)\n"
             f"try:\n    shm_arena.shared_zeros(({too_much},), torch.uint8)\n"
@@ -348,7 +364,7 @@ def test_size_classes_are_whole_pages_at_most_a_quarter_larger():
 
 @pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
 def test_shared_memory_refuses_an_offset_outside_the_file_or_misaligned(pair):
-    _, decode, channel, _, _ = pair
+    _, decode, address, _, _ = pair
     decode.reserve("r", [5] * 10, GREEDY)
     slot = decode._sequences["r"].block_table[0] * 16
     path = shm_arena.arena().path
@@ -361,11 +377,10 @@ def test_shared_memory_refuses_an_offset_outside_the_file_or_misaligned(pair):
                                internal_pb2.KVLayerRef(layer=1, keys_offset=512, values_offset=end)]))):
         piece = internal_pb2.KVPiece(request_id="r", layer=0, dst_slots=[slot], run_tokens=[1],
                                      dtype=internal_pb2.DTYPE_FLOAT32, shm_path=path, **offsets)
-        with pytest.raises(grpc.RpcError) as refused:
-            internal_pb2_grpc.KVTransferStub(channel).Push(iter([piece]), timeout=10)
-        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         bad = end if field.startswith("more") else offsets.get(field, offsets["shm_offset"] + 256)
-        assert f"{field} {bad} + 256 bytes is not inside {path}" in refused.value.details()
+        with pytest.raises(TransferError, match=f"PieceRejected: {re.escape(field)} {bad} \\+ 256 bytes is not inside "
+                                                f"{path}"):
+            push_messages(address, piece)
 
 
 def test_files_of_killed_senders_are_swept_and_live_ones_kept():
@@ -845,20 +860,18 @@ def test_a_push_from_a_shared_cache_is_read_by_decode_before_the_step_that_made_
         time.sleep(0.3)  # a decode rank busy elsewhere
         return table
 
-    service = shared_memory.Endpoint.service(KVReceiver(kv, reserved))
-    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
-                                                     "infermesh.v1.KVTransfer")])
+    endpoint = shared_memory.Endpoint(0, 1, KVReceiver(kv, reserved), links=None, shared_address=None)
     try:
         sink = PlanSink(num_tokens=256, num_kv_heads=4, block_size=16, num_layers=1,
                         target=DecodeLayout(head_ranges=((0, 4),), block_size=16, block_table=table),
-                        senders=[shared_memory.SharedMemorySender(grpc.insecure_channel(f"127.0.0.1:{port}"), "r", 0)])
+                        senders=[shared_memory.SharedMemorySender(endpoint.address, "r", 0)])
         sink.push_layer(0, *source[0], tuple(range(16)), KVStripe())
         for cache in source[0]:
             cache.fill_(float("nan"))  # the step ended: its blocks go to the next prompt
         assert sink.finish().bytes == 2 * 256 * 4 * 32 * 4
         assert torch.equal(kv[0][0][16:32], truth[0][:16]) and torch.equal(kv[0][1][16:32], truth[1][:16])
     finally:
-        server.stop(None)
+        endpoint.stop()
 
 
 class CountingSender(shared_memory.SharedMemorySender):
@@ -876,12 +889,11 @@ def test_layers_read_from_a_shared_cache_go_out_a_batch_a_message_and_land_exact
     source = [tuple(shm_arena.shared_zeros(shape, torch.float32).copy_(truth[i, j]) for j in range(2))
               for i in range(layers)]
     kv = [(torch.zeros(16, 16, 2, 32), torch.zeros(16, 16, 2, 32)) for _ in range(layers)]
-    service = shared_memory.Endpoint.service(KVReceiver(kv, lambda rid: tuple(range(16))))
-    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, service,
-                                                     "infermesh.v1.KVTransfer")])
+    endpoint = shared_memory.Endpoint(0, 1, KVReceiver(kv, lambda rid: tuple(range(16))), links=None,
+                                      shared_address=None)
     runs = [[(0, 128)]] + [[(0, 64), (128, 64)]] * 4  # the runs change at layer 1: a new message
     try:
-        sender = CountingSender(grpc.insecure_channel(f"127.0.0.1:{port}"), "r", 0)
+        sender = CountingSender(endpoint.address, "r", 0)
         for layer, (k, v) in enumerate(source):
             sender.send_runs(layer, runs[layer], k.view(-1, 2, 32), v.view(-1, 2, 32))
             sender.flush()
@@ -892,7 +904,7 @@ def test_layers_read_from_a_shared_cache_go_out_a_batch_a_message_and_land_exact
                 rows, want = got.view(-1, 2, 32), want.view(-1, 2, 32)
                 assert torch.equal(rows[run_rows(runs[layer])], want) and not rows[192:].any()
     finally:
-        server.stop(None)
+        endpoint.stop()
 
 
 def test_a_grpc_stream_refuses_more_layers_than_it_carries(pair):
