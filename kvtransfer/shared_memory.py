@@ -149,6 +149,8 @@ class SharedMemorySender(KVSender):
         try:
             return super().finish(timeout_s)
         finally:  # acknowledged: the regions serve the next push; failed: decode may still read, so quarantine
+            if self._connection is not None:
+                self._connection.close()  # a push failed on this side ends on decode's at once
             keep = self.state is TransferState.DONE
             for region in self._regions:
                 (arena().give_back if keep else arena().discard)(region)

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -103,6 +104,14 @@ def smollm2_llm():
     from engine import LLM
 
     return LLM("smollm2-135m", dtype="float32")
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail the test if it does not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s"
+        time.sleep(0.02)
 
 
 def free_port() -> int:

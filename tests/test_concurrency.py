@@ -19,8 +19,7 @@ from engine import LLM, SamplingParams
 from mesh.registry import MemoryRegistry, Role
 from mesh.settings import DecodeSettings, RouterSettings
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB
-from tests.test_lifecycle import wait_until
+from tests.conftest import TINY_VOCAB, wait_until
 from tests.test_router import generate
 
 STREAMS = 40

@@ -23,7 +23,7 @@ from mesh.settings import DecodeSettings
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 from router.decode_streams import DecodeStreams
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -145,13 +145,6 @@ def local(rid: str, p: list[int], params: SamplingParams = GREEDY) -> internal_p
 
 def stream_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name in ("decode-stream", "decode-stream-reader")}
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert condition()
 
 
 def test_requests_on_one_stream_get_their_own_tokens_and_share_its_messages(decode):

@@ -26,7 +26,7 @@ from mesh import rpc
 from mesh.registry import MemoryRegistry, Role
 from mesh.registry.remote import RegistryService
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.test_lifecycle import wait_until
+from tests.conftest import wait_until
 from tests.test_mesh_processes import assert_exited, descendants
 
 MODEL = "smollm2-135m"

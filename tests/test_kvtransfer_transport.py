@@ -28,7 +28,7 @@ from kvtransfer.torch_p2p import part_pair
 from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, TransferError, TransferState, run_rows
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -333,6 +333,27 @@ def test_decode_drops_the_mapping_of_a_killed_sender_and_the_next_sender_sweeps_
         sender.kill()
         if os.path.exists(path):
             os.unlink(path)
+
+
+@pytest.mark.parametrize("pair", [shared_memory], indirect=True, ids=["shared_memory"])
+def test_a_push_that_fails_on_the_prefill_side_ends_on_decode_at_once(pair, monkeypatch):
+    _, decode, address, _, sender_class = pair
+    decode.reserve("r", [5] * 10, GREEDY)
+    slot = decode._sequences["r"].block_table[0] * 16
+    sender = sender_class(address, "r", 0, timeout_s=60)
+    sender.send(0, Piece(0, 0, (0, 1), (0, 2), 0, slot), torch.ones(1, 2, 32), torch.ones(1, 2, 32))
+    sender.flush()  # staged and sent: decode is serving the push
+    wait_until(lambda: any(t.name == "kv-push" for t in threading.enumerate()))
+
+    def full(nbytes):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_arena.arena(), "take", full)  # /dev/shm filled up mid-push
+    sender.send(1, Piece(0, 0, (0, 1), (0, 2), 0, slot), torch.ones(1, 2, 32), torch.ones(1, 2, 32))
+    with pytest.raises(TransferError, match="cannot stage 512 bytes of KV in /dev/shm: No space left"):
+        sender.finish(timeout_s=10)
+    # decode dropped it now, not at the push's timeout a minute later
+    wait_until(lambda: not any(t.name == "kv-push" for t in threading.enumerate()), timeout_s=10)
 
 
 def test_regions_past_the_pool_give_their_pages_back_and_serve_again_a_failed_one_after_its_quarantine(monkeypatch):

@@ -31,8 +31,9 @@ from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
+from tests.conftest import wait_until
 from tests.test_decode_service import collect
-from tests.test_lifecycle import LONG, wait_until
+from tests.test_lifecycle import LONG
 from tests.test_router import generate
 
 

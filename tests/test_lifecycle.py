@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -24,6 +23,7 @@ from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
+from tests.conftest import wait_until
 from tests.test_decode_service import collect
 
 LONG = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -44,13 +44,6 @@ def hold_steps(instance):
     step = engine.step
     engine.step = lambda: gate.wait(60) and step()
     return gate
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def drain(address: str) -> internal_pb2.InstanceStatus:

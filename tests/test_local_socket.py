@@ -18,21 +18,13 @@ import pytest
 from engine.errors import NoReservation
 from kvtransfer import local_socket
 from kvtransfer.transport import TransferError
+from tests.conftest import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def push_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "kv-push"]
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.fixture
@@ -52,7 +44,8 @@ def server(tmp_path):
     server = local_socket.Server(str(tmp_path), "kv-", handle)
     yield server, seen
     server.close()
-    assert not os.path.exists(server.path) and wait_for(lambda: not push_threads())
+    assert not os.path.exists(server.path)
+    wait_until(lambda: not push_threads())
 
 
 def test_frames_arrive_in_order_and_the_reply_comes_back_from_a_socket_only_its_user_may_use(server):
@@ -100,7 +93,8 @@ def test_a_sender_that_never_ends_its_push_is_answered_past_its_timeout(server):
     server, seen = server
     connection = local_socket.Connection(server.path, 0.3, "push")
     connection.send(b"layer")  # and nothing more for longer than its timeout: a prefill rank stuck mid-push
-    assert wait_for(lambda: seen == [[b"layer"]]) and wait_for(lambda: not push_threads())  # answered, thread ended
+    wait_until(lambda: seen == [[b"layer"]])
+    wait_until(lambda: not push_threads())  # answered, and its thread ended
     with pytest.raises(TransferError, match="DeadlineExceeded: the push did not end within its timeout of 0.3 s"):
         connection.finish(10.0)
 
@@ -113,11 +107,11 @@ def test_a_sender_killed_mid_push_is_dropped_and_the_next_push_served(server):
     sender = subprocess.Popen([sys.executable, "-c", code, server.path], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert sender.stdout.readline().strip() == "sent"
-        assert wait_for(lambda: seen and seen[0] == [b"layer"])
+        wait_until(lambda: seen and seen[0] == [b"layer"])
         assert len(push_threads()) == 1
         sender.kill()  # SIGKILL: the kernel closes its end
         sender.wait()
-        assert wait_for(lambda: not push_threads())  # the handler saw the end of the stream and returned
+        wait_until(lambda: not push_threads())  # the handler saw the end of the stream and returned
     finally:
         sender.kill()
     connection = local_socket.Connection(server.path, 10.0, "push")

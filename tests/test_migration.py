@@ -19,7 +19,7 @@ from mesh.registry.remote import RegistryService
 from mesh.settings import RouterSettings
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.test_lifecycle import wait_until
+from tests.conftest import wait_until
 from tests.test_mesh_processes import assert_exited
 
 QUESTION = [inference_pb2.ChatMessage(role="user", content="Tell me a long story about a dragon and a knight.")]

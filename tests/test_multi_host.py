@@ -23,8 +23,7 @@ from mesh.registry import InstanceState, MemoryRegistry
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB
-from tests.test_lifecycle import wait_until
+from tests.conftest import TINY_VOCAB, wait_until
 from tests.test_mesh_processes import assert_exited, descendants
 from tests.test_router import GREEDY, generate
 

@@ -20,7 +20,8 @@ from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.test_lifecycle import hold_steps, wait_until
+from tests.conftest import wait_until
+from tests.test_lifecycle import hold_steps
 from tests.test_mesh_processes import start_mesh, started, stop_mesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog"

@@ -19,8 +19,7 @@ from mesh.registry.snapshot import Snapshot
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from router.server import RouterInstance
-from tests.conftest import free_port, start_redis
-from tests.test_lifecycle import wait_until
+from tests.conftest import free_port, start_redis, wait_until
 from tests.test_router import GREEDY, generate
 
 

@@ -12,8 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB
-from tests.test_lifecycle import wait_until
+from tests.conftest import TINY_VOCAB, wait_until
 from tests.test_mesh_processes import assert_exited, cli, cores_of, planned_cores, start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
 

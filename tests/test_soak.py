@@ -19,8 +19,7 @@ from engine import LLM, SamplingParams
 from mesh import rpc
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB
-from tests.test_lifecycle import wait_until
+from tests.conftest import TINY_VOCAB, wait_until
 from tests.test_mesh_processes import descendants, start_mesh, started, stop_mesh
 
 STREAMS, DURATION_S = 64, 60.0

@@ -18,7 +18,7 @@ from mesh.registry import MemoryRegistry
 from mesh.settings import DecodeSettings, RouterSettings
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.test_lifecycle import wait_until
+from tests.conftest import wait_until
 
 
 def test_importing_and_building_the_router_leaves_torch_out():
