@@ -196,10 +196,6 @@ def push_messages(address: str, *pieces: internal_pb2.KVPiece) -> bytes:
     return connection.finish(10.0)
 
 
-def shm_files() -> set[str]:
-    return {name for name in os.listdir(shared_memory.SHM_DIR) if name.startswith(shared_memory.PREFIX)}
-
-
 @pytest.mark.parametrize("tokens", [2048, 3, 0])
 def test_a_layer_message_written_by_hand_is_what_protobuf_writes_and_reads(tokens):
     keys, values = torch.randn(tokens, 3, 64).bfloat16(), torch.randn(tokens, 3, 64).bfloat16()
@@ -419,6 +415,28 @@ def test_files_of_killed_senders_are_swept_and_live_ones_kept():
         for path in (dead, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_the_socket_of_a_killed_decode_rank_fails_pushes_clearly_and_is_swept():
+    code = ("import time, torch\nfrom kvtransfer import shared_memory\nfrom kvtransfer.transport import KVReceiver\n"
+            "kv = [(torch.zeros(1, 16, 1, 4), torch.zeros(1, 16, 1, 4))]\n"
+            "e = shared_memory.Endpoint(0, 1, KVReceiver(kv, lambda rid: None), links=None, shared_address=None)\n"
+            "print(e.address, flush=True)\ntime.sleep(60)\n")
+    decode = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        address = decode.stdout.readline().strip()
+        decode.kill()  # SIGKILL: no exit handler removes its socket
+        decode.wait()
+        assert os.path.exists(address)
+        sender = shared_memory.SharedMemorySender(address, "r", 0, timeout_s=5)
+        sender.send(0, Piece(0, 0, (0, 1), (0, 1), 0, 0), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+        with pytest.raises(TransferError, match="KV push to rank 0: cannot connect to .*: Connection refused"):
+            sender.finish(timeout_s=5)
+        shared_memory.Dialer(0, 1, links=None)  # a sender starting on this host sweeps
+        assert not os.path.exists(address)
+    finally:
+        decode.kill()
 
 
 def test_loopback_sender_writes_through_the_same_checks(tiny_checkpoint):
