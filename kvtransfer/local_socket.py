@@ -31,6 +31,7 @@ from kvtransfer.transport import TransferError
 
 MAGIC = b"IMKV"
 MAX_FRAME_BYTES = 16 << 20  # a message names where KV lies: a few KB even for a long prompt
+MAX_PUSHES = 512  # in flight on one server (a gRPC server's default); the next is refused as Overloaded
 _LENGTH = struct.Struct("<I")
 
 
@@ -44,17 +45,20 @@ class Connection:
         self._sock.settimeout(timeout_s)  # a receiver that stops reading cannot hold the sender longer
         try:
             self._sock.connect(path)
-            self._sock.sendall(MAGIC + _LENGTH.pack(max(1, round(timeout_s * 1000))))
         except OSError as e:
             self._sock.close()
             raise TransferError(f"{name}: cannot connect to {path}: {e.strerror or e} (is the receiver on this "
                                 f"host?)") from None
+        self._write(MAGIC + _LENGTH.pack(max(1, round(timeout_s * 1000))))
 
     def send(self, frame: bytes) -> None:
         if not frame:
             raise ValueError("a frame carries at least one byte (an empty one ends the push)")
+        self._write(_LENGTH.pack(len(frame)) + frame)
+
+    def _write(self, data: bytes) -> None:
         try:
-            self._sock.sendall(_LENGTH.pack(len(frame)) + frame)
+            self._sock.sendall(data)
         except TimeoutError:
             self.close()
             raise TransferError(f"{self.name}: the receiver took no data for {self.timeout_s} s") from None
@@ -91,14 +95,14 @@ class Connection:
 
 
 class Server:
-    """Takes pushes on a Unix socket at `path`, each on a thread of its own (`thread_init` runs first on it):
-    `handle(frames)` consumes the push's frames (an iterator of bytes) and returns the reply; what it raises
-    is the refusal, named by its type (`engine.errors`). `close()` stops taking pushes and ends those in
-    flight; it is safe twice."""
+    """Takes pushes on a Unix socket at `path`, each on a thread of its own (`thread_init` runs first on it), at
+    most `max_pushes` at once: `handle(frames)` consumes the push's frames (an iterator of bytes) and returns
+    the reply; what it raises is the refusal, named by its type (`engine.errors`). `close()` stops taking
+    pushes and ends those in flight; it is safe twice."""
 
     def __init__(self, directory: str, prefix: str, handle: Callable[[Iterator[bytes]], bytes],
-                 thread_init: Callable[[], None] | None = None) -> None:
-        self.handle, self.thread_init = handle, thread_init
+                 thread_init: Callable[[], None] | None = None, max_pushes: int = MAX_PUSHES) -> None:
+        self.handle, self.thread_init, self.max_pushes = handle, thread_init, max_pushes
         self.path = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -121,6 +125,9 @@ class Server:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._open) >= self.max_pushes:
+                    _refuse(conn, f"Overloaded: {len(self._open)} pushes in flight here, at most {self.max_pushes}")
+                    continue
                 thread = threading.Thread(target=self._serve, args=(conn,), name="kv-push", daemon=True)
                 self._open.add(conn)
                 self._threads.add(thread)
@@ -142,8 +149,7 @@ class Server:
                     return  # the sender went away mid-push: nobody to answer
                 except Exception as e:
                     reply = b"\1" + describe(e).encode()
-            conn.settimeout(1.0)
-            conn.sendall(_LENGTH.pack(len(reply)) + reply)
+            _answer(conn, reply)
         except (OSError, EOFError):
             pass  # the sender went away: nobody to answer
         finally:
@@ -170,6 +176,17 @@ class Server:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
         atexit.unregister(self.close)
+
+
+def _answer(conn: socket.socket, reply: bytes) -> None:
+    conn.settimeout(1.0)
+    conn.sendall(_LENGTH.pack(len(reply)) + reply)
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    """Answer a push with a refusal before reading it, and close."""
+    with conn, contextlib.suppress(OSError):
+        _answer(conn, b"\1" + why.encode())
 
 
 def frames(conn: socket.socket, deadline: float, timeout_s: float) -> Iterator[bytes]:

@@ -73,6 +73,26 @@ def test_a_refusal_ends_the_push_with_its_type_and_the_server_keeps_serving(serv
     assert again.finish(10.0) == b"ok"
 
 
+def test_a_push_past_the_servers_limit_is_refused_as_overloaded_and_the_next_served(tmp_path):
+    server = local_socket.Server(str(tmp_path), "kv-", lambda frames: b"|".join(frames), max_pushes=1)
+    try:
+        first = local_socket.Connection(server.path, 10.0, "push")
+        first.send(b"a")
+        wait_until(lambda: len(push_threads()) == 1)  # in flight
+        with pytest.raises(TransferError, match="KV push to rank 0 failed: Overloaded: 1 pushes in flight here, "
+                                                "at most 1"):  # read at the first write after the refusal
+            second = local_socket.Connection(server.path, 10.0, "KV push to rank 0")
+            second.send(b"b")
+            second.finish(10.0)
+        assert first.finish(10.0) == b"a"
+        wait_until(lambda: not push_threads())
+        third = local_socket.Connection(server.path, 10.0, "push")
+        third.send(b"c")
+        assert third.finish(10.0) == b"c"
+    finally:
+        server.close()
+
+
 def test_a_receiver_that_never_answers_fails_the_push_within_its_timeout(tmp_path):
     path = str(tmp_path / "hung.sock")
     hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
