@@ -125,13 +125,15 @@ class Server:
                 if self._closed:
                     conn.close()
                     return
-                if len(self._open) >= self.max_pushes:
-                    _refuse(conn, f"Overloaded: {len(self._open)} pushes in flight here, at most {self.max_pushes}")
-                    continue
-                thread = threading.Thread(target=self._serve, args=(conn,), name="kv-push", daemon=True)
-                self._open.add(conn)
-                self._threads.add(thread)
-            thread.start()
+                full = len(self._open) >= self.max_pushes
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(conn,), name="kv-push", daemon=True)
+                    self._open.add(conn)
+                    self._threads.add(thread)
+            if full:
+                _refuse(conn, f"Overloaded: this receiver serves at most {self.max_pushes} pushes at once")
+            else:
+                thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
