@@ -15,9 +15,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-import gguf  # numpy, but no torch
-
 from engine.config import ModelConfig
+from engine.gguf_file import read_gguf
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -79,11 +78,10 @@ def hf_config(folder: Path) -> ModelConfig:
 
 
 def gguf_header(path: Path):
-    """(reader, config, tokenizer) of a GGUF file without touching its tensor data."""
+    """(tensors, config, tokenizer) of a GGUF file; the tensors' data stays in the file until read."""
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on truncated or foreign files
+        meta, tensors = read_gguf(path)
+    except (OSError, ValueError) as e:  # a truncated or foreign file
         raise WeightsError(f"cannot read GGUF file {path}: {e}") from None
-    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    names = {t.name for t in reader.tensors}
-    return reader, ModelConfig.from_gguf(meta, tied="output.weight" not in names), Tokenizer.from_gguf_metadata(meta)
+    names = {t.name for t in tensors}
+    return tensors, ModelConfig.from_gguf(meta, tied="output.weight" not in names), Tokenizer.from_gguf_metadata(meta)

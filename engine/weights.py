@@ -96,9 +96,9 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    reader, config, tokenizer = gguf_header(path)
+    tensors, config, tokenizer = gguf_header(path)
     weights: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", delay=1.0):
+    for tensor in tqdm(tensors, desc="Dequantizing GGUF", unit="tensor", delay=1.0):
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
