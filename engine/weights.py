@@ -15,12 +15,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
+from engine.gguf_dequant import dequantize
 from engine.model_info import UPCYCLED, WeightsError, gguf_header, hf_config, resolve_model
 from engine.tokenizer import Tokenizer
 from engine.upcycle import upcycle
@@ -100,7 +100,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tqdm(tensors, desc="Dequantizing GGUF", unit="tensor", delay=1.0):
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(tensor)
         except Exception as e:
             raise WeightsError(f"cannot dequantize {tensor.name} in {path}: {e}") from None
         array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)  # F32 tensors view the mmap

@@ -1,6 +1,7 @@
-"""`engine.gguf_file` reads what the `gguf` package's reader reads (a reference we did not write): every
-metadata value type and the tensor types SmolLM2's file uses, written by `gguf.GGUFWriter` and in SmolLM2's
-own file; a file that is not whole GGUF is refused by name."""
+"""`engine.gguf_file` reads what the `gguf` package's reader reads, and `engine.gguf_dequant` dequantizes to
+the bits `gguf.quants` gives (a reference we did not write): every metadata value type and the tensor types
+SmolLM2's file uses, written by `gguf.GGUFWriter` and in SmolLM2's own file; a file that is not whole GGUF is
+refused by name."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import gguf
 import numpy as np
 import pytest
 
+from engine.gguf_dequant import dequantize
 from engine.gguf_file import read_gguf
 from engine.model_info import resolve_model
 
 
 def same_as_the_gguf_package(path) -> None:
+    """Metadata, tensor views and dequantized values alike."""
     metadata, tensors = read_gguf(path)
     reference = gguf.GGUFReader(str(path))
     assert metadata == {key: field.contents() for key, field in reference.fields.items()
@@ -21,6 +24,9 @@ def same_as_the_gguf_package(path) -> None:
     for ours, theirs in zip(tensors, reference.tensors):
         assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
         assert np.array_equal(ours.data, theirs.data, equal_nan=True)
+        values, expected = dequantize(ours), gguf.quants.dequantize(theirs.data, theirs.tensor_type)
+        assert values.dtype == expected.dtype == np.float32 and values.shape == expected.shape
+        assert values.tobytes() == expected.tobytes()  # bit for bit
 
 
 def test_every_value_type_and_tensor_type_reads_as_the_gguf_package_reads_it(tmp_path):
