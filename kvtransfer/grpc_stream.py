@@ -186,8 +186,6 @@ class GrpcStreamSender(KVSender):
 class Dialer:
     """A prefill rank's streams to decode ranks, over the service's pooled channels."""
 
-    sender = GrpcStreamSender
-
     def __init__(self, rank: int, ranks: int, links) -> None:
         self.links = links
 
@@ -195,7 +193,7 @@ class Dialer:
         return 0  # nothing to set up ahead of a push
 
     def senders(self, addresses: tuple[str, ...], link: int, request_id: str, timeout_s: float) -> list[KVSender]:
-        return [self.sender(self.links.channel(a), request_id, r, timeout_s=timeout_s)
+        return [GrpcStreamSender(self.links.channel(a), request_id, r, timeout_s=timeout_s)
                 for r, a in enumerate(addresses)]
 
     def close(self) -> None:
@@ -257,10 +255,8 @@ class KVTransferService(internal_pb2_grpc.KVTransferServicer):
 class Endpoint:
     """A decode rank's `KVTransfer` server (on the service's host, any free port)."""
 
-    service = KVTransferService
-
     def __init__(self, rank: int, ranks: int, receiver: KVReceiver, links, shared_address: str | None) -> None:
-        self.address = links.serve([(add_to_server, self.service(receiver, rank), "infermesh.v1.KVTransfer")])
+        self.address = links.serve([(add_to_server, KVTransferService(receiver, rank), "infermesh.v1.KVTransfer")])
 
     def stop(self) -> None:
         pass  # the server is the service's: it stops with it

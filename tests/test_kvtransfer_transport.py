@@ -61,7 +61,7 @@ def pair(tiny_checkpoint, request):
         yield prefill, decode, endpoint.address, reference, shared_memory.SharedMemorySender
         endpoint.stop()
         return
-    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, transport.KVTransferService(receiver),
+    server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, grpc_stream.KVTransferService(receiver),
                                                      "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield prefill, decode, channel, reference, GrpcStreamSender
