@@ -49,7 +49,7 @@ class Connection:
             self._sock.close()
             raise TransferError(f"{name}: cannot connect to {path}: {e.strerror or e} (is the receiver on this "
                                 f"host?)") from None
-        self._write(MAGIC + _LENGTH.pack(max(1, round(timeout_s * 1000))))
+        self._write(MAGIC + _LENGTH.pack(min(max(1, round(timeout_s * 1000)), 2**32 - 1)))  # ms: 49 days at most
 
     def send(self, frame: bytes) -> None:
         if not frame:

@@ -29,6 +29,7 @@ from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, Tran
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB, wait_until
+from tests.test_local_socket import push_threads
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -339,7 +340,7 @@ def test_a_push_that_fails_on_the_prefill_side_ends_on_decode_at_once(pair, monk
     sender = sender_class(address, "r", 0, timeout_s=60)
     sender.send(0, Piece(0, 0, (0, 1), (0, 2), 0, slot), torch.ones(1, 2, 32), torch.ones(1, 2, 32))
     sender.flush()  # staged and sent: decode is serving the push
-    wait_until(lambda: any(t.name == "kv-push" for t in threading.enumerate()))
+    wait_until(push_threads)
 
     def full(nbytes):
         raise OSError(28, "No space left on device")
@@ -349,7 +350,7 @@ def test_a_push_that_fails_on_the_prefill_side_ends_on_decode_at_once(pair, monk
     with pytest.raises(TransferError, match="cannot stage 512 bytes of KV in /dev/shm: No space left"):
         sender.finish(timeout_s=10)
     # decode dropped it now, not at the push's timeout a minute later
-    wait_until(lambda: not any(t.name == "kv-push" for t in threading.enumerate()), timeout_s=10)
+    wait_until(lambda: not push_threads(), timeout_s=10)
 
 
 def test_regions_past_the_pool_give_their_pages_back_and_serve_again_a_failed_one_after_its_quarantine(monkeypatch):
