@@ -35,6 +35,7 @@ from typing import Callable
 
 from decode_svc.follower import reservation_key
 from engine.core import EngineCore, StepOutput
+from engine.cpu_lending import CpuLending
 from engine.errors import NoReservation, PeerFailed, ServingError
 from engine.loop import EngineLoop
 from engine.sampling_params import SamplingParams, TokenLogprobs
@@ -65,10 +66,12 @@ class _Tagged:
 
 class DecodeCore:
     def __init__(self, engine: EngineCore, shared_store=None,
-                 on_failure: Callable[[BaseException], None] | None = None, lease_s: float = 30.0) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None, lease_s: float = 30.0,
+                 cpus: CpuLending | None = None) -> None:
         """`shared_store`: the store of a multi-rank instance, where reservations are published to its other
         ranks (each accepts pushed KV for its heads). `on_failure(error)`: a step raised (after the waiting
-        streams got the error). `lease_s`: how long a reservation waits for its join."""
+        streams got the error). `lease_s`: how long a reservation waits for its join. `cpus`: the cores this
+        instance holds and borrows (engine.loop)."""
         self.engine, self.shared_store, self.on_failure, self.lease_s = engine, shared_store, on_failure, lease_s
         self._leases: dict[str, float] = {}  # reserved request id -> when its lease ends (monotonic)
         self._expiring = threading.Event()  # set: stop the lease thread
@@ -80,7 +83,8 @@ class DecodeCore:
         self._block_hashes: set[int] = set()  # the last snapshot of the prefix cache
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Sequence] = {}  # active: reserved or running
-        self._loop = EngineLoop(engine, self._deliver_step, name="decode-engine", on_failure=self._fail_streams)
+        self._loop = EngineLoop(engine, self._deliver_step, name="decode-engine", on_failure=self._fail_streams,
+                                cpus=cpus)
         self._call = self._loop.call
 
     # ---- lifecycle ------------------------------------------------------------------

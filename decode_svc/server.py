@@ -23,6 +23,7 @@ from opentelemetry import propagate, trace
 
 from decode_svc.core import DecodeCore, TokenEvent
 from decode_svc.follower import accept_kv, endpoint_key, open_endpoints
+from engine import cpu_lending
 from engine.core import EngineConfig, EngineCore
 from engine.errors import DeadlineExceeded, ServingError, Unsupported
 from engine.parallel.context import ExpertAttachment, ParallelConfig
@@ -213,7 +214,8 @@ class DecodeInstance(Instance):
                             rendezvous=Rendezvous.of(s))
         store = engine.executor.store if s.tp > 1 else None
         self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail(),
-                               lease_s=s.reservation_lease_s).start()
+                               lease_s=s.reservation_lease_s,
+                               cpus=cpu_lending.from_flags(s.cpus, s.borrow_cpus)).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")

@@ -10,6 +10,10 @@ a step raises, the loop stops: `on_failure(error)` runs (to fail the requests
 waiting on it) and every later `call` raises `PeerFailed`; after `stop()` it
 raises `Draining`.
 
+With `cpus` (engine.cpu_lending) the loop holds this process's cores while the engine has work and lets
+go of them while it waits; before each step it borrows the idle cores it may and runs the step on that many
+more intra-op threads, giving them back after it.
+
 `start()` runs the loop on a thread of its own; `run_here()` then moves it into the
 calling thread, between two steps, and returns when it stops. A serving process
 moves it into its main thread: on CPU, torch's intra-op threads (OpenMP, MKL)
@@ -19,6 +23,7 @@ thread").
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -27,6 +32,7 @@ from typing import Callable
 import torch
 
 from engine.core import EngineCore, StepOutput
+from engine.cpu_lending import CpuLending
 from engine.errors import Draining, PeerFailed
 
 _MOVE = "move"  # a command: the loop's thread lets go of it (`run_here`)
@@ -34,8 +40,8 @@ _MOVE = "move"  # a command: the loop's thread lets go of it (`run_here`)
 
 class EngineLoop:
     def __init__(self, engine: EngineCore, on_outputs: Callable[[list[StepOutput]], None], name: str = "engine",
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
-        self.engine, self.on_outputs, self.on_failure = engine, on_outputs, on_failure
+                 on_failure: Callable[[BaseException], None] | None = None, cpus: CpuLending | None = None) -> None:
+        self.engine, self.on_outputs, self.on_failure, self.cpus = engine, on_outputs, on_failure, cpus
         self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
@@ -85,12 +91,17 @@ class EngineLoop:
             moved = self._loop() is _MOVE
         finally:
             if not moved:
+                if self.cpus is not None:
+                    self.cpus.close()  # no core of this process's is held once the loop is done
                 self._finished.set()
 
     def _loop(self):
         while True:
+            busy = self.engine.has_unfinished()
+            if not busy and self.cpus is not None:
+                self.cpus.idle()
             try:
-                item = self._commands.get(timeout=0 if self.engine.has_unfinished() else None)
+                item = self._commands.get(timeout=0 if busy else None)
             except queue.Empty:
                 item = False
             while item:
@@ -109,11 +120,27 @@ class EngineLoop:
                 return None
             if self.engine.has_unfinished():
                 try:
-                    outputs = self.engine.step()
+                    outputs = self._step()
                 except Exception as e:
                     self._fail(e)
                     return None
                 self.on_outputs(outputs)
+
+    def _step(self) -> list[StepOutput]:
+        if self.cpus is None:
+            return self.engine.step()
+        self.cpus.work()
+        borrowed = self.cpus.borrow()
+        if borrowed:  # this thread, and the team it starts, on the borrowed cores too
+            os.sched_setaffinity(0, self.cpus.own + borrowed)
+            torch.set_num_threads(self.threads + len(borrowed))
+        try:
+            return self.engine.step()
+        finally:
+            if borrowed:  # off them before they are given back: their owner may be waiting
+                torch.set_num_threads(self.threads)
+                os.sched_setaffinity(0, self.cpus.own)
+            self.cpus.give_back()
 
     def _fail(self, error: BaseException) -> None:
         self.error = error

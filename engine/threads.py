@@ -25,12 +25,13 @@ import torch
 from engine.cpus import available_cores, format_cpus
 
 
-def pin(cores: Sequence[int]) -> None:
+def pin(cores: Sequence[int], borrowable: Sequence[int] = ()) -> None:
     """Run every thread of this process, and the processes it starts, on `cores` only, with one intra-op
-    thread per core. ValueError if it may not use them all."""
-    allowed = available_cores()
-    if not cores or set(cores) - set(allowed):
-        raise ValueError(f"cpus={format_cpus(cores)!r}: this process may use only cores {format_cpus(allowed)}")
+    thread per core (the engine's thread runs a step on `borrowable` cores as well while their owners idle:
+    engine.cpu_lending). ValueError if it may not use them all."""
+    allowed, wanted = available_cores(), set(cores) | set(borrowable)
+    if not cores or wanted - set(allowed):
+        raise ValueError(f"cpus={format_cpus(wanted)!r}: this process may use only cores {format_cpus(allowed)}")
     for thread in os.listdir("/proc/self/task"):  # sched_setaffinity sets one thread's; threads made later inherit
         try:
             os.sched_setaffinity(int(thread), cores)

@@ -198,7 +198,8 @@ def up(
         2048, help="Tokens an engine step takes (prompt chunks and decode rows): smaller chunks a long prompt's "
                    "prefill, so streams decoding beside it wait less per step, and it takes longer."),
     cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
-                                           "(by ranks); shared: every instance may use every core."),
+                                           "(by ranks), a one-rank decode instance running steps on prefill's "
+                                           "while they idle; shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
     admin_token: str = typer.Option("", envvar="INFERMESH_ADMIN_TOKEN", show_default=False,
                                     help="Scale and drain need this bearer token (prefer the variable)."),

@@ -68,7 +68,8 @@ def serve(role: str, settings_class, start, argv: list[str] | None = None) -> No
         from engine.cpus import parse_cpus
         from engine.threads import pin
 
-        pin(parse_cpus(settings.cpus))
+        borrowable = getattr(settings, "borrow_cpus", "")
+        pin(parse_cpus(settings.cpus), parse_cpus(borrowable) if borrowable else ())
     setup_tracing(settings.trace, role)
     instance = start(settings)
     http = instance.record().http_address

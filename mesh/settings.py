@@ -106,6 +106,17 @@ class PrefillSettings(EngineSettings):
 class DecodeSettings(EngineSettings):
     tp: int = 1
     reservation_lease_s: float = 30.0  # a KV reservation not joined within this is cancelled, its blocks freed
+    borrow_cpus: str = ""  # cores of other engine instances this one may run a step on while they idle (cpu_lending)
+
+    def __post_init__(self) -> None:
+        super(DecodeSettings, self).__post_init__()
+        if self.borrow_cpus:
+            parse_cpus(self.borrow_cpus)
+            if not self.cpus:
+                raise ValueError("borrow_cpus needs cpus: an instance on every core has none to borrow")
+            if self.tp != 1:
+                raise ValueError(f"borrow_cpus: only a decode instance of one rank borrows cores (tp=1), "
+                                 f"got tp={self.tp}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,8 @@ instances first (prefill and decode attach to them as they start), then the pref
 processes (`python -m <service>.server ...`, each logging to its own file), and is ready when every
 instance is registered and the router's health check says SERVING. With `cpus="split"` (the default)
 each engine instance runs on its own share of the host's cores (`engine.cpus.share`, by ranks; its
-`--cpus`); the router and the supervisor run on any.
+`--cpus`), and a decode instance of one rank may run a step on the prefill instances' cores while they idle
+(`--borrow-cpus`, engine.cpu_lending); the router and the supervisor run on any.
 
 It owns every process it started, scaled ones included. `scale(role, n)` starts instances of a role or
 drains its newest ones (`Admin.Drain`: finish in-flight work, deregister, exit) until it has n. A child
@@ -173,9 +174,15 @@ class Supervisor:
 
     def _cpus(self, role: Role, number: int) -> list[str]:
         """The --cpus flag of the role's instance `number`; one started by `scale` past the plan shares the
-        cores of a planned instance of its role in turn (none planned: no flag, every core)."""
+        cores of a planned instance of its role in turn (none planned: no flag, every core). A decode instance
+        of one rank may borrow the prefill instances' cores (--borrow-cpus)."""
         cores = self._cores[role][number % len(self._cores[role])] if self._cores.get(role) else []
-        return ["--cpus", format_cpus(cores)] if cores else []
+        if not cores:
+            return []
+        lendable = sorted({c for share in self._cores.get(Role.PREFILL, []) for c in share} - set(cores))
+        borrow = ["--borrow-cpus", format_cpus(lendable)] if role is Role.DECODE and self.spec.decode_tp == 1 \
+            and lendable else []
+        return ["--cpus", format_cpus(cores), *borrow]
 
     def _spawn_instance(self, role: Role) -> Child:
         module, args = self._commands[role]

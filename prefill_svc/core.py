@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.core import EngineCore, StepOutput
+from engine.cpu_lending import CpuLending
 from engine.errors import Cancelled, Draining, PeerFailed
 from engine.loop import EngineLoop
 from engine.parallel.cp_choice import CPChoice
@@ -43,15 +44,17 @@ class PrefillResult:
 
 class PrefillCore:
     def __init__(self, engine: EngineCore, *, host: str = "127.0.0.1", transfer_timeout_s: float = 60.0,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
-        """`host`: the interface this instance's KV pushes leave from; `on_failure(error)`: a step raised."""
+                 on_failure: Callable[[BaseException], None] | None = None, cpus: CpuLending | None = None) -> None:
+        """`host`: the interface this instance's KV pushes leave from; `on_failure(error)`: a step raised;
+        `cpus`: the cores this instance holds while it works (engine.loop)."""
         self.engine, self.transfer_timeout_s, self.on_failure = engine, transfer_timeout_s, on_failure
         self.links = push.DecodeLinks(0, engine.parallel.cp, host)
         self.total_requests = 0
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None
         self._waiting: dict[str, Future] = {}
-        self._loop = EngineLoop(engine, self._deliver_all, name="prefill-engine", on_failure=self._fail_waiting)
+        self._loop = EngineLoop(engine, self._deliver_all, name="prefill-engine", on_failure=self._fail_waiting,
+                                cpus=cpus)
 
     @property
     def failed(self) -> bool:

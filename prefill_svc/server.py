@@ -16,6 +16,7 @@ import functools
 import threading
 import time
 
+from engine import cpu_lending
 from engine.core import EngineConfig, EngineCore
 from engine.errors import RequestError
 from engine.parallel.context import ExpertAttachment, ParallelConfig
@@ -119,7 +120,8 @@ class PrefillInstance(Instance):
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None)
-        self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail()).start()
+        self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail(),
+                                cpus=cpu_lending.from_flags(s.cpus)).start()
         m = self.metrics
         m.gauges(engine.load, ENGINE_LOAD)
         self.prefix_cache_hits = m.counter("infermesh_prefix_cache_hits", "{token}",
