@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cpus import format_cpus
 from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB, wait_until
@@ -53,14 +54,23 @@ class Traffic:
         self.pool.shutdown()
 
 
+def cpu_flags(pid: int) -> list[str]:
+    """The --cpus and --borrow-cpus flags (with their values) the process was started with."""
+    with open(f"/proc/{pid}/cmdline") as f:
+        args = f.read().split("\0")
+    return [arg for flag, value in zip(args, args[1:]) if flag in ("--cpus", "--borrow-cpus") for arg in (flag, value)]
+
+
 def test_scaling_decode_up_and_down_and_prefill_to_zero_loses_no_request(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     proc, address = start_mesh(str(folder), "--local-prefill-max-tokens", "20")
     pids = [i["pid"] for i in instances(address)]
     traffic = Traffic(address, str(folder))
-    try:  # --cpus split: decode and prefill on their own cores
+    try:  # --cpus split: decode and prefill on their own cores, decode's engine on prefill's too while it idles
         pid = {i["role"]: i["pid"] for i in instances(address)}
-        assert [cores_of(pid["decode"]), cores_of(pid["prefill"])] == planned_cores([1, 1])
+        decode_cores, prefill_cores = planned_cores([1, 1])
+        assert cores_of(pid["prefill"]) == prefill_cores
+        assert decode_cores <= cores_of(pid["decode"]) <= decode_cores | prefill_cores
         up = cli("scale", "decode", "2", "--target", address)
         assert up.returncode == 0, up.stderr
         (started,) = [line.split()[0] for line in up.stdout.splitlines() if line.endswith(" started")]
@@ -69,7 +79,9 @@ def test_scaling_decode_up_and_down_and_prefill_to_zero_loses_no_request(tiny_ch
         assert all(d["state"] == "serving" for d in decodes)
         new_pid = next(d["pid"] for d in decodes if d["id"] == started)
         first_pid = next(d["pid"] for d in decodes if d["id"] != started)
-        assert cores_of(new_pid) == cores_of(first_pid)  # past the plan: it shares the planned decode's cores
+        lendable = ["--borrow-cpus", format_cpus(prefill_cores - decode_cores)] if prefill_cores - decode_cores else []
+        assert cpu_flags(first_pid) == ["--cpus", format_cpus(decode_cores), *lendable]
+        assert cpu_flags(new_pid) == cpu_flags(first_pid)  # past the plan: it shares the planned decode's cores
         wait_until(lambda: next(d["total_requests"] for d in instances(address, "decode") if d["id"] == started) > 0,
                    timeout_s=60)  # the new instance gets traffic
         down = cli("scale", "decode", "1", "--target", address)
