@@ -29,9 +29,10 @@ def pin(cores: Sequence[int], borrowable: Sequence[int] = ()) -> None:
     """Run every thread of this process, and the processes it starts, on `cores` only, with one intra-op
     thread per core (the engine's thread runs a step on `borrowable` cores as well while their owners idle:
     engine.cpu_lending). ValueError if it may not use them all."""
-    allowed, wanted = available_cores(), set(cores) | set(borrowable)
-    if not cores or wanted - set(allowed):
-        raise ValueError(f"cpus={format_cpus(wanted)!r}: this process may use only cores {format_cpus(allowed)}")
+    allowed = available_cores()
+    if not cores or (set(cores) | set(borrowable)) - set(allowed):
+        asked = f"cpus={format_cpus(cores)!r}" + (f", borrow_cpus={format_cpus(borrowable)!r}" if borrowable else "")
+        raise ValueError(f"{asked}: this process may use only cores {format_cpus(allowed)}")
     for thread in os.listdir("/proc/self/task"):  # sched_setaffinity sets one thread's; threads made later inherit
         try:
             os.sched_setaffinity(int(thread), cores)

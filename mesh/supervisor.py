@@ -179,10 +179,11 @@ class Supervisor:
         cores = self._cores[role][number % len(self._cores[role])] if self._cores.get(role) else []
         if not cores:
             return []
-        lendable = sorted({c for share in self._cores.get(Role.PREFILL, []) for c in share} - set(cores))
-        borrow = ["--borrow-cpus", format_cpus(lendable)] if role is Role.DECODE and self.spec.decode_tp == 1 \
-            and lendable else []
-        return ["--cpus", format_cpus(cores), *borrow]
+        flags = ["--cpus", format_cpus(cores)]
+        lendable = {core for share in self._cores.get(Role.PREFILL, []) for core in share} - set(cores)
+        if role is Role.DECODE and self.spec.decode_tp == 1 and lendable:
+            flags += ["--borrow-cpus", format_cpus(lendable)]
+        return flags
 
     def _spawn_instance(self, role: Role) -> Child:
         module, args = self._commands[role]

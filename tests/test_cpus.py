@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from engine.cpus import format_cpus, parse_cpus, share
+from engine.threads import pin
 from mesh.settings import DecodeSettings, load
 from mesh.supervisor import MeshSpec
 
@@ -71,6 +72,9 @@ def test_cores_the_process_may_not_use_are_refused_by_name():
     out = subprocess.run([sys.executable, "-c", "from engine.threads import pin; pin([4095])"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and f"cpus='4095': this process may use only cores {allowed}" in out.stderr
+    core = min(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=f"cpus='{core}', borrow_cpus='4095': this process may use only cores"):
+        pin([core], [4095])  # refused before anything is pinned
     with pytest.raises(ValueError, match="cpus='zero' is not a core list"):
         load(DecodeSettings, {"cpus": "zero"})
     with pytest.raises(ValueError, match="cpus must be split or shared, got 'all'"):
