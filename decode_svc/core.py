@@ -123,6 +123,11 @@ class DecodeCore:
         """Requests running or reserved here."""
         return len(self._requests)
 
+    @property
+    def borrowed_steps(self) -> int:
+        """Engine steps run on cores borrowed from idle instances as well (engine.cpu_lending)."""
+        return self._loop.borrowed_steps
+
     def _fail_streams(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream.put(TokenEvent([], "", error=PeerFailed(f"the decode engine failed: {error!r}")))

@@ -217,6 +217,9 @@ class DecodeInstance(Instance):
                                lease_s=s.reservation_lease_s,
                                cpus=cpu_lending.from_flags(s.cpus, s.borrow_cpus)).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)
+        self.metrics.counted("infermesh_engine_steps_on_borrowed_cores", "{step}",
+                             "Engine steps run on the cores of idle instances of this host as well (up --cpus split)",
+                             lambda: self.core.borrowed_steps)
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")
         self.links = rpc.Links(s.host, thread_init=off_the_engine_thread)

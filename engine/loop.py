@@ -43,6 +43,7 @@ class EngineLoop:
                  on_failure: Callable[[BaseException], None] | None = None, cpus: CpuLending | None = None) -> None:
         self.engine, self.on_outputs, self.on_failure, self.cpus = engine, on_outputs, on_failure, cpus
         self.error: BaseException | None = None
+        self.borrowed_steps = 0  # steps run on borrowed cores too
         self._commands: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._finished = threading.Event()  # the loop has returned for good (stopped or failed)
@@ -132,6 +133,7 @@ class EngineLoop:
         self.cpus.work()
         borrowed = self.cpus.borrow()
         if borrowed:  # this thread, and the team it starts, on the borrowed cores too
+            self.borrowed_steps += 1
             os.sched_setaffinity(0, self.cpus.own + borrowed)
             torch.set_num_threads(self.threads + len(borrowed))
         try:

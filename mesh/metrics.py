@@ -67,6 +67,11 @@ class Metrics:
             counter.add(0, labels)
         return counter
 
+    def counted(self, name: str, unit: str, description: str, read: Callable[[], int]) -> None:
+        """A counter whose total `read()` returns, read at each collection."""
+        self.meter.create_observable_counter(name, unit=unit, description=description,
+                                            callbacks=[lambda _: [Observation(read())]])
+
     def seconds(self, name: str, description: str):
         return self.meter.create_histogram(name, unit="s", description=description,
                                            explicit_bucket_boundaries_advisory=SECONDS)

@@ -137,8 +137,11 @@ def test_the_engine_loop_runs_steps_on_borrowed_cores_while_their_owner_idles(ti
         assert steps and all(step == (threads + 1, sorted({mine, lent})) for step in steps)
         assert loop.call(lambda: (torch.get_num_threads(), sorted(os.sched_getaffinity(0)))) == (threads, [mine])
         owner.work()
+        borrowed = loop.borrowed_steps
+        assert borrowed == len(steps)
         steps = generate(5)
         assert steps and all(step == (threads, [mine]) for step in steps)  # the owner works: own cores only
+        assert loop.borrowed_steps == borrowed
         owner.idle()
     finally:
         loop.stop()

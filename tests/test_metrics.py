@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from engine.cpus import available_cores
 from mesh.metrics import scrape
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.conftest import TINY_VOCAB
@@ -63,5 +64,8 @@ def test_each_role_exports_what_the_requests_did(tiny_checkpoint):
         assert value(decode, "infermesh_requests_running") == value(decode, "infermesh_requests_waiting") == 0
         assert value(decode, "infermesh_kv_blocks_used") == 0 < value(decode, "infermesh_kv_blocks_total")
         assert value(decode, "infermesh_prefix_cache_hits_total") >= 48  # the repeated 64-token prompt's 3 blocks
+        # --cpus split: decode borrows the idle prefill instance's core (none to borrow on one core)
+        borrowed = value(decode, "infermesh_engine_steps_on_borrowed_cores_total")
+        assert (borrowed > 0) == (len(available_cores()) > 1)
     finally:
         stop_mesh(proc, [i["pid"] for i in instances])
