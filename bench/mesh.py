@@ -1,7 +1,8 @@
 """The mesh against the engine it serves: decode tokens/s to N concurrent greedy streams, in-process
 (`LLM.generate` of N prompts) and through `infermesh up --prefill 0` (client -> router -> decode over
-gRPC, the streams from one asyncio client), one after the other on this machine; what the router adds
-to the time to first token (the same one-token request to the router and straight to decode's Decode,
+gRPC, the streams from one asyncio client), one after the other on this machine, with the router's CPU
+time per token streamed (read from /proc: its relay's cost, which the engine feels as stolen cycles); what
+the router adds to the time to first token (the same one-token request to the router and straight to decode's Decode,
 alternately); and a matmul timed on the main thread and on another one (the reason a service drives its
 engine from its main thread).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import threading
@@ -99,14 +101,29 @@ def router_ttft(address: str, samples: int) -> dict[str, list[float]]:
     return times
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        user, system = f.read().rsplit(")", 1)[1].split()[11:13]
+    return (int(user) + int(system)) / os.sysconf("SC_CLK_TCK")
+
+
 def through_the_mesh(streams: list[int], tokens: int, dtype: str, ttft_samples: int,
-                     batch_invariant: bool) -> tuple[dict[int, float], dict[str, list[float]]]:
+                     batch_invariant: bool) -> tuple[dict[int, tuple[float, float]], dict[str, list[float]]]:
+    """Per stream count, tok/s and the router's CPU µs per token; and the TTFT samples."""
     invariance = () if batch_invariant else ("--no-batch-invariant",)
     with running_mesh("--prefill", "0", "--dtype", dtype, *invariance) as address:
+        instances = internal_pb2_grpc.AdminStub(rpc.channel(address)).ListInstances(
+            internal_pb2.ListInstancesRequest()).instances
+        router = next(i.pid for i in instances if i.role == common_pb2.ROLE_ROUTER)
         request = inference_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(
             max_tokens=tokens, temperature=0.0, ignore_eos=True))
         concurrent_streams(address, request, 1)
-        rates = {n: concurrent_streams(address, request, n) for n in streams}
+        rates = {}
+        for n in streams:
+            before = cpu_seconds(router)
+            rate = concurrent_streams(address, request, n)
+            rates[n] = rate, (cpu_seconds(router) - before) / (n * tokens) * 1e6
         return rates, router_ttft(address, ttft_samples)
 
 
@@ -138,9 +155,11 @@ def main() -> None:
     args = parser.parse_args()
     engine = in_process(args.streams, args.tokens, args.dtype, args.batch_invariant)
     mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples, args.batch_invariant)
-    print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process |\n|---|---|---|---|")
+    print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process | router CPU µs / token |\n"
+          "|---|---|---|---|---|")
     for n in args.streams:
-        print(f"| {n} | {engine[n]:.1f} | {mesh[n]:.1f} | {mesh[n] / engine[n]:.2f} |")
+        rate, router_us = mesh[n]
+        print(f"| {n} | {engine[n]:.1f} | {rate:.1f} | {rate / engine[n]:.2f} | {router_us:.0f} |")
     print(f"\n| one greedy token, {args.ttft_samples} samples | TTFT p50 ms | p90 ms |\n|---|---|---|")
     for name, times in ttft.items():
         ordered = sorted(times)
