@@ -7,7 +7,7 @@ alternately); and a matmul timed on the main thread and on another one (the reas
 engine from its main thread).
 
     python bench/mesh.py [--streams 1 8 32] [--tokens 200] [--dtype bfloat16] [--ttft-samples 100]
-                         [--no-batch-invariant]
+                         [--no-batch-invariant] [--quick]
 """
 
 from __future__ import annotations
@@ -152,7 +152,10 @@ def main() -> None:
     parser.add_argument("--ttft-samples", type=int, default=100)
     parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                         help="1-8 rows through the few-row kernel, in-process and in the mesh")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 and 2 streams of 16 tokens")
     args = parser.parse_args()
+    if args.quick:
+        args.streams, args.tokens, args.ttft_samples = [1, 2], 16, 5
     engine = in_process(args.streams, args.tokens, args.dtype, args.batch_invariant)
     mesh, ttft = through_the_mesh(args.streams, args.tokens, args.dtype, args.ttft_samples, args.batch_invariant)
     print("\n| streams | in-process tok/s | mesh tok/s | mesh / in-process | router CPU µs / token |\n"

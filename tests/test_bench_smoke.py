@@ -72,6 +72,13 @@ def test_decode_bench_runs():
     assert "| 2 | 64 |" in proc.stdout and "| 1 | 300 |" in proc.stdout
 
 
+def test_mesh_bench_runs():
+    proc = run_quick("mesh.py", timeout=300)
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and float(rows[0][4]) >= 0  # 2 streams, and the router CPU per token (in 10 ms ticks)
+    assert "| router, token ids |" in proc.stdout and "| decode directly |" in proc.stdout
+
+
 @pytest.mark.slow
 def test_serve_bench_runs(tmp_path):
     proc = run_quick("serve.py", "--plot", str(tmp_path / "serve.png"), timeout=600)
