@@ -16,7 +16,8 @@ token for a second).
 Each core has two lock files in /dev/shm (`flock`: the kernel drops a process's locks when it dies, so a
 killed owner or borrower leaves no core held), named by core and user:
 - `.want`: an owner about to work holds it shared; a borrower that finds it held takes nothing, so an
-  owner waits for one step at most, never for a borrower that keeps taking the core back;
+  owner waits for one step at most, never for a borrower that keeps taking the core back (and for `WAIT_S`
+  at most: a borrower stopped or hung mid-step shares the core until its step ends, it does not stall it);
 - `.lock`: owners hold it shared while they work (instances that `infermesh up` scaled past its plan share
   cores); a borrower holds it exclusively during its step.
 The files stay (empty): removing a lock file another process has open would give the next one a new file
@@ -31,11 +32,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from typing import Sequence
 
 from engine.cpus import parse_cpus
 
 LOCK_DIR = "/dev/shm"
+WAIT_S = 2.0  # an owner's longest wait for a borrower's step (decode steps take milliseconds, a prefill on decode ~1 s)
 
 
 def from_flags(cpus: str, borrow_cpus: str = "") -> "CpuLending | None":
@@ -64,14 +67,17 @@ class CpuLending:
         return tuple(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                      for path in lock_paths(core, directory))
 
-    def work(self) -> None:
-        """Hold this process's cores (no-op while held): waits while a borrower's step runs on them."""
+    def work(self, wait_s: float = WAIT_S) -> None:
+        """Hold this process's cores (no-op while held): waits while a borrower's step runs on them, for
+        `wait_s` at most (a borrower stuck mid-step, stopped or hung, is shared with, not waited for)."""
         if self._working:
             return
         for want, _ in self._own:
-            fcntl.flock(want, fcntl.LOCK_SH)
+            fcntl.flock(want, fcntl.LOCK_SH)  # from here no borrower takes the cores again
+        deadline = time.monotonic() + wait_s
         for _, lock in self._own:
-            fcntl.flock(lock, fcntl.LOCK_SH)
+            while not _try(lock, fcntl.LOCK_SH) and time.monotonic() < deadline:
+                time.sleep(0.001)
         self._working = True
 
     def idle(self) -> None:
@@ -106,10 +112,10 @@ class CpuLending:
         self._own, self._borrowable = [], {}
 
 
-def _try(fd: int) -> bool:
-    """An exclusive lock on `fd` if no one else holds one."""
+def _try(fd: int, kind: int = fcntl.LOCK_EX) -> bool:
+    """A lock of `kind` on `fd` if no one holds one that excludes it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     return True

@@ -31,8 +31,7 @@ def wanted(core: int, directory) -> bool:
     """An owner holds the core's `.want`: it works there, or waits to."""
     fd = os.open(lock_paths(core, str(directory))[0], os.O_RDWR)
     try:
-        free = _try(fd)
-        return not free
+        return not _try(fd)
     finally:
         os.close(fd)  # drops the probe's lock with it
 
@@ -107,6 +106,25 @@ def test_a_killed_owner_or_borrower_holds_no_core(tmp_path):
     proc.kill()
     proc.wait(timeout=30)
     assert working.wait(30)
+    owner.close()
+
+
+def test_an_owner_shares_its_core_with_a_hung_borrower_rather_than_wait_for_it(tmp_path):
+    proc, took = holder(tmp_path, BORROWER, OWNER, "borrow")  # borrows, then never ends its step
+    assert took == f"[{OWNER}]"
+    owner = CpuLending([OWNER], directory=str(tmp_path))
+    try:
+        assert in_thread(lambda: owner.work(wait_s=0.5)).wait(30)  # it goes on working after its wait
+        other = CpuLending([BORROWER], [OWNER], directory=str(tmp_path))
+        assert other.borrow() == []  # and no borrower takes the core from it meanwhile
+        other.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    owner.idle()
+    after = CpuLending([BORROWER], [OWNER], directory=str(tmp_path))
+    assert after.borrow() == [OWNER]  # nothing held once both are done
+    after.close()
     owner.close()
 
 
