@@ -1,6 +1,7 @@
 """The gRPC edge of the typed failures in `engine.errors`: one table from type to status code.
 
-Every server `mesh.rpc.start_server` builds carries `StatusInterceptor`: a `ServingError` raised by
+Every server `mesh.rpc.start_server` builds carries `StatusInterceptor` (`AsyncStatusInterceptor` on a
+grpc.aio server, for coroutine handlers and plain ones alike): a `ServingError` raised by
 any handler (also mid-stream) ends the call with its type's status code and its message. Handlers
 raise the types and never pick codes. A type missing from the table takes the code of its nearest
 base class that is in it; anything else is a bug and reaches gRPC as UNKNOWN. `from_status` reads
@@ -11,6 +12,7 @@ only `engine.errors` of the engine (plain Python, no torch), so every service ma
 
 from __future__ import annotations
 
+import inspect
 import typing
 
 import grpc
@@ -69,16 +71,31 @@ class StatusInterceptor(grpc.ServerInterceptor):
     INVALID_ARGUMENT, where gRPC alone would answer INTERNAL."""
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        if not handler.request_streaming and handler.request_deserializer is not None:
-            handler = handler._replace(request_deserializer=_parsing(handler.request_deserializer))
-        if handler.response_streaming:  # unary_stream or stream_stream: failures may come mid-stream
-            kind = "stream_stream" if handler.request_streaming else "unary_stream"
-            return handler._replace(**{kind: _streaming(getattr(handler, kind))})
+        return _intercepted(continuation(handler_call_details))
+
+
+class AsyncStatusInterceptor(grpc.aio.ServerInterceptor):
+    """`StatusInterceptor` on a grpc.aio server: coroutine handlers get coroutine wrappers, plain ones (run on
+    the server's threads) the same wrappers as on a sync server."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return _intercepted(await continuation(handler_call_details))
+
+
+def _intercepted(handler):
+    if handler is None:
+        return None
+    if not handler.request_streaming and handler.request_deserializer is not None:
+        handler = handler._replace(request_deserializer=_parsing(handler.request_deserializer))
+    if handler.response_streaming:  # unary_stream or stream_stream: failures may come mid-stream
+        kind = "stream_stream" if handler.request_streaming else "unary_stream"
+        behaviour = getattr(handler, kind)
+        wrap = _async_streaming if inspect.isasyncgenfunction(behaviour) else _streaming
+    else:
         kind = "stream_unary" if handler.request_streaming else "unary_unary"
-        return handler._replace(**{kind: _unary(getattr(handler, kind))})
+        behaviour = getattr(handler, kind)
+        wrap = _async_unary if inspect.iscoroutinefunction(behaviour) else _unary
+    return handler._replace(**{kind: wrap(behaviour)})
 
 
 class _Malformed(typing.NamedTuple):
@@ -113,6 +130,31 @@ def _streaming(behaviour):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             yield from behaviour(request, context)
+        except ServingError as e:  # the status ends the stream (no abort: on a grpc.aio server a plain
+            context.set_code(status_code(e))  # handler's abort races the write of its last response)
+            context.set_details(str(e))
+    return call
+
+
+def _async_unary(behaviour):
+    async def call(request, context):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        try:
+            return await behaviour(request, context)
         except ServingError as e:
-            context.abort(status_code(e), str(e))
+            await context.abort(status_code(e), str(e))
+    return call
+
+
+def _async_streaming(behaviour):
+    async def call(request, context):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        try:
+            async for response in behaviour(request, context):
+                yield response
+        except ServingError as e:
+            context.set_code(status_code(e))
+            context.set_details(str(e))
     return call

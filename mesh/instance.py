@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 from engine.errors import Draining
 from mesh import auth, rpc
+from mesh.loop import LoopThread
 from mesh.metrics import Metrics
 from mesh.registry import InstanceInfo, InstanceState, Registry, Role, connect_registry
 from mesh.registry.remote import to_message
@@ -50,6 +51,7 @@ class Instance:
     max_request_bytes = rpc.MAX_MESSAGE_BYTES  # the largest request its gRPC server takes
     client_certs = True  # with TLS on: only peers with the mesh's certificates may call it
     rpc_thread_init: Callable[[], None] | None = None  # first on each gRPC thread (an engine's host: torch on one)
+    loop: LoopThread | None = None  # set: its gRPC server is grpc.aio's, on this loop (`rpc.start_server`)
 
     def __init__(self, settings: ServiceSettings, instance_id: str | None = None,
                  registry: Registry | None = None) -> None:
@@ -96,7 +98,7 @@ class Instance:
                                                           serving=False, max_request_bytes=self.max_request_bytes,
                                                           max_concurrent_rpcs=s.max_concurrent_rpcs,
                                                           client_certs=self.client_certs,
-                                                          thread_init=self.rpc_thread_init)
+                                                          thread_init=self.rpc_thread_init, loop=self.loop)
         self.address = f"{s.host}:{port}"
         if s.health_port is not None:
             self.health_server, _ = rpc.start_health_server(s.bind_host or s.host, s.health_port, self.health)

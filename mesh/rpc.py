@@ -6,11 +6,14 @@ full service name), registers `grpc.health.v1.Health` and server reflection for
 all of them, maps typed failures to status codes (`mesh.errors`), binds and
 starts; it returns the server, the bound port and its `Health`, which reports
 every service SERVING or NOT_SERVING at once (an instance's lifecycle drives it).
+With `loop` (a `mesh.loop.LoopThread`) the server is grpc.aio's, on that loop: its coroutine handlers run
+there, plain ones on its threads; `aio_channel` and `ChannelPool(aio_channel)` are the clients to match.
 Servers and channels speak TLS when the environment gives the process an identity (`mesh.tls`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent import futures
 from typing import Callable, Sequence
@@ -20,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mesh import tls
-from mesh.errors import StatusInterceptor
+from mesh.errors import AsyncStatusInterceptor, StatusInterceptor
+from mesh.loop import LoopThread
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -55,18 +59,26 @@ def _status(serving: bool) -> int:
 
 def start_server(host: str, port: int, services: Sequence[tuple[Callable, object, str]], *, serving: bool = True,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS, max_request_bytes: int = MAX_MESSAGE_BYTES,
-                 client_certs: bool = True, thread_init: Callable[[], None] | None = None
-                 ) -> tuple[grpc.Server, int, Health]:
+                 client_certs: bool = True, thread_init: Callable[[], None] | None = None,
+                 loop: LoopThread | None = None) -> tuple[grpc.Server | AsyncServer, int, Health]:
     """`serving`: what health reports at first (an instance starts NOT_SERVING and says when it serves).
     Each RPC runs on a thread of its own (started when needed), a stream for its whole life: at most
     `max_concurrent_rpcs` at once, the next is refused with RESOURCE_EXHAUSTED rather than queued.
     A request over `max_request_bytes` is refused with RESOURCE_EXHAUSTED (gRPC's message names both sizes).
     With TLS on (`mesh.tls`) the port speaks TLS and, with `client_certs`, takes only the mesh's certificates.
-    `thread_init` runs first on each of the server's threads (`engine.threads.off_the_engine_thread`)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, initializer=thread_init),
-                         interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
-                         options=[("grpc.max_receive_message_length", max_request_bytes),
-                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    `thread_init` runs first on each of the server's threads (`engine.threads.off_the_engine_thread`).
+    With `loop`: a grpc.aio server on it, its coroutine RPCs on the loop (no thread each), plain ones on threads."""
+    pool = futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, initializer=thread_init)
+    options = [("grpc.max_receive_message_length", max_request_bytes),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    if loop is None:
+        server = grpc.server(pool, interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             options=options)
+    else:
+        async def build() -> grpc.aio.Server:  # an aio server belongs to the loop it is made on
+            return grpc.aio.server(migration_thread_pool=pool, interceptors=[AsyncStatusInterceptor()],
+                                   maximum_concurrent_rpcs=max_concurrent_rpcs, options=options)
+        server = loop.run(build())
     names = []
     for add, servicer, name in services:
         add(servicer, server)
@@ -82,8 +94,23 @@ def start_server(host: str, port: int, services: Sequence[tuple[Callable, object
         bound = server.add_secure_port(address, tls.server_credentials(me, client_certs))
     if bound == 0:
         raise OSError(f"cannot bind a gRPC server to {host}:{port}")
-    server.start()
-    return server, bound, health_servicer
+    if loop is None:
+        server.start()
+        return server, bound, health_servicer
+    loop.run(server.start())
+    return AsyncServer(server, loop), bound, health_servicer
+
+
+class AsyncServer:
+    """A grpc.aio server on a `LoopThread`, stopped from any thread as a `grpc.Server` is: `stop(grace).wait()`."""
+
+    def __init__(self, server: grpc.aio.Server, loop: LoopThread) -> None:
+        self.server, self.loop = server, loop
+
+    def stop(self, grace: float | None) -> threading.Event:
+        stopped = threading.Event()
+        self.loop.submit(self.server.stop(grace)).add_done_callback(lambda _: stopped.set())
+        return stopped
 
 
 def start_health_server(host: str, port: int, health_servicer: Health) -> tuple[grpc.Server, int]:
@@ -100,30 +127,50 @@ def start_health_server(host: str, port: int, health_servicer: Health) -> tuple[
 
 def channel(address: str) -> grpc.Channel:
     """A channel to a peer: TLS with this process's identity when `mesh.tls` says so, else plaintext."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
     me = tls.identity()
-    return grpc.insecure_channel(address, options=options) if me is None else tls.secure_channel(me, address, options)
+    if me is None:
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """`channel`'s grpc.aio twin, for coroutines (made on the loop it is used on)."""
+    me = tls.identity()
+    if me is None:
+        return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
+
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 class ChannelPool:
-    """One channel per address, reused across requests and threads; `close()` closes them all."""
+    """One channel per address, reused across requests and threads; `close()` closes them all.
+    `ChannelPool(aio_channel)` pools grpc.aio channels, for one event loop: close those with `aclose()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect: Callable[[str], grpc.Channel | grpc.aio.Channel] = channel) -> None:
+        self._connect = connect
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = channel(address)
+                self._channels[address] = self._connect(address)
             return self._channels[address]
 
-    def close(self) -> None:
+    def _take_all(self) -> list:
         with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+            channels, self._channels = list(self._channels.values()), {}
+        return channels
+
+    def close(self) -> None:
+        for ch in self._take_all():
+            ch.close()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self._take_all()))
 
 
 class Links:

@@ -76,9 +76,11 @@ def server_files(environ: Mapping[str, str] = os.environ) -> tuple[str, str] | N
     return environ[CERT], environ[KEY]
 
 
-def secure_channel(me: Identity, address: str, options: list[tuple[str, object]]) -> grpc.Channel:
+def channel_credentials(me: Identity, options: list[tuple[str, object]]
+                        ) -> tuple[grpc.ChannelCredentials, list[tuple[str, object]]]:
+    """The credentials and options of a channel to a peer of the mesh (sync or grpc.aio alike)."""
     credentials = grpc.ssl_channel_credentials(root_certificates=me.ca, private_key=me.key,
                                                certificate_chain=me.cert)
     if me.server_name:
         options = [*options, ("grpc.ssl_target_name_override", me.server_name)]
-    return grpc.secure_channel(address, credentials, options=options)
+    return credentials, options

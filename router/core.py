@@ -14,20 +14,22 @@ a heartbeat; the router adds what it has routed there itself and not yet seen
 finish (requests, prompt blocks), so a burst spreads and a full mesh sheds
 (RESOURCE_EXHAUSTED) instead of queueing without bound.
 
-A face hands `stream` a `call`: gRPC's servicer context, or any object with the
-same four methods — `time_remaining()`, `is_active()`, `add_callback(fn)` (run
-when the call ends, also early) and `invocation_metadata()` (the caller's trace
-context). Failures are typed (`engine.errors`); each face maps them. Plain Python:
-no torch in the router process.
+`stream` is an async generator, run on the router's event loop (`mesh.loop`) with every
+client it calls (grpc.aio): a token crosses the router with no thread wake. A face hands
+it a `call`: gRPC's servicer context, or any object with its two methods
+`time_remaining()` and `invocation_metadata()` (the caller's trace context); a client
+that leaves cancels the task iterating it, and the work downstream with it.
+Failures are typed (`engine.errors`); each face maps them. Plain Python: no torch in
+the router process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
-import threading
 import time
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
@@ -40,7 +42,8 @@ from kvtransfer import transports
 from mesh import auth, rpc
 from mesh.errors import from_status, status_code
 from mesh.metrics import Metrics
-from mesh.registry import Registry, Role
+from mesh.registry import Role
+from mesh.registry.snapshot import Snapshot
 from mesh.settings import RouterSettings
 from mesh.telemetry import outgoing_metadata, server_span, tracer
 from protos.convert import sampling_kwargs
@@ -54,7 +57,7 @@ CANCEL_TIMEOUT_S = 2.0  # for freeing a failed request's reservation on decode
 
 
 class RouterCore:
-    def __init__(self, settings: RouterSettings, registry: Registry, admit: Callable[[], None],
+    def __init__(self, settings: RouterSettings, registry: Snapshot, admit: Callable[[], None],
                  metrics: Metrics) -> None:
         """`admit()`: the instance's gate for new work (raises `Draining` unless it serves)."""
         self.settings, self.registry, self._admit = settings, registry, admit
@@ -74,13 +77,13 @@ class RouterCore:
                                           "Streams resumed on another decode instance after theirs died mid-stream")
         self.config, self.tokenizer = load_model_info(settings.model)
         self.kv_transport = transports.by_name(settings.kv_transport).wire
-        self.channels = rpc.ChannelPool()
+        self.channels = rpc.ChannelPool(rpc.aio_channel)  # grpc.aio: used on the router's event loop only
         self.decode_streams = DecodeStreams(self.channels)  # every request to a decode instance goes on its stream
         self._turns = itertools.count()
-        self._lock = threading.Lock()
-        self.active = 0  # streams being served
+        self.active = 0  # streams being served (the loop changes it; any thread may read it)
         self._routed: dict[str, list[int]] = {}  # decode id -> [requests, prompt blocks] routed, unfinished
         self._block_size = 0  # the decode instances' KV block size, as last read
+        self._cancels: set[asyncio.Task] = set()  # reservations being freed after their request failed
 
     # ---- checks and prompts (both faces) ---------------------------------------------------
 
@@ -119,12 +122,11 @@ class RouterCore:
 
     # ---- the stream ------------------------------------------------------------------------
 
-    def stream(self, ids: list[int], sampling: common_pb2.SamplingParams, request_id: str,
-               call) -> Iterator[inference_pb2.GenerateResponse]:
+    async def stream(self, ids: list[int], sampling: common_pb2.SamplingParams, request_id: str,
+                     call) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Deltas, then one final response (with the prompt's ids and timings), of one admitted request."""
         started = time.monotonic()
-        with self._lock:
-            self.active += 1
+        self.active += 1
         outcome = "ok"
         try:
             try:
@@ -132,20 +134,19 @@ class RouterCore:
             except RequestError as e:
                 raise RequestError(f"sampling: {e}", param=e.param) from None
             sampling = fit(ids, sampling, self.config.vocab_size, self.config.max_model_len)
-            for response in self._stream(request_id, ids, sampling, call, started):
+            async for response in self._stream(request_id, ids, sampling, call, started):
                 if response.HasField("final"):
                     self._record(response.final)
                 yield response
         except ServingError as e:
             outcome = status_code(e).name.lower()
             raise
-        except GeneratorExit:  # the face stopped reading: the client left
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (or the face stopped reading)
             outcome = "cancelled"
             raise
         finally:
             self.requests.add(1, {"outcome": outcome})
-            with self._lock:
-                self.active -= 1
+            self.active -= 1
 
     def _record(self, final: inference_pb2.Final) -> None:
         tokens, timings = final.usage.completion_tokens, final.timings
@@ -155,7 +156,7 @@ class RouterCore:
         self.prompt_tokens.record(final.usage.prompt_tokens)
         self.generation_tokens.record(tokens)
 
-    def _stream(self, rid: str, ids: list[int], sampling, call, started: float):
+    async def _stream(self, rid: str, ids: list[int], sampling, call, started: float):
         """The responses of one request across its attempts: a decode instance that is unreachable before
         the first token is replaced (a retry); one that dies after tokens were streamed is replaced by
         another that resumes after them (a migration, at most `migration_limit` times): the client sees one
@@ -165,9 +166,9 @@ class RouterCore:
             forwarded: list[int] = []  # the token ids the client has
             first_at, migrations = None, 0
             while True:
-                chosen, blocks = self._route(ids, failed, resumed=len(forwarded))
+                chosen, blocks = await self._route(ids, failed, resumed=len(forwarded))
                 try:
-                    for response in self._responses(rid, ids, sampling, chosen, call, forwarded):
+                    async for response in self._responses(rid, ids, sampling, chosen, call, forwarded):
                         if response.HasField("delta"):
                             forwarded += response.delta.token_ids
                             first_at = first_at or time.monotonic()
@@ -177,7 +178,7 @@ class RouterCore:
                         yield response
                     return
                 except grpc.RpcError as e:
-                    gone = e.code() is grpc.StatusCode.UNAVAILABLE and call.is_active()
+                    gone = e.code() is grpc.StatusCode.UNAVAILABLE
                     if gone and not forwarded:  # before its first token: try another instance
                         failed.add(chosen.decode.id)
                         span.add_event("retry", {"unavailable": chosen.decode.id})
@@ -204,55 +205,59 @@ class RouterCore:
             ttft_s=(first_at or end) - started, total_s=end - started,
             tokens_per_s=(tokens - 1) / (end - first_at) if first_at and end > first_at and tokens > 1 else 0.0))
 
-    def _route(self, ids: list[int], failed: set[str], resumed: int):
+    async def _route(self, ids: list[int], failed: set[str], resumed: int):
         """The instances for one try, counted against the chosen decode instance's load until `_unroute`:
         choosing and counting are one step, so each request of a burst sees the ones routed before it.
         After a migration the new decode instance holds the prompt and the `resumed` tokens."""
         with tracer().start_as_current_span("router.route") as route_span:
             # the hashes in the block size last seen (decode enforces one for all), read with the instances
             chain = prefix_hashes(ids, self._block_size) if self._block_size else []
-            everyone, hits = self.registry.instances_and_hits(chain)
+            everyone, hits = await self._read_registry(chain)
             decodes = [d for d in everyone if d.role is Role.DECODE and d.id not in failed]
             prefills = [i for i in everyone if i.role is Role.PREFILL]
             block_size = next((d.block_size for d in decodes if d.block_size), 0)
             if block_size != self._block_size:  # the first request, or a mesh that changed: read the hits again
                 self._block_size = block_size
                 chain = prefix_hashes(ids, block_size) if block_size else []
-                hits = self.registry.prefix_hits(chain) if chain else {}
-            with self._lock:
-                try:
-                    chosen = route(prompt_tokens=len(ids), decodes=[self._with_routed(d) for d in decodes],
-                                   prefills=prefills, policy=self.settings.policy, turn=next(self._turns),
-                                   prefix_hits=hits, block_size=block_size,
-                                   local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
-                                   max_active=self.settings.shed_active_requests)
-                except NoInstance as e:
-                    unreachable = f" (unreachable: {', '.join(sorted(failed))})" if failed else ""
-                    raise NoInstance(f"{e}{unreachable}") from None
-                blocks = -(-(len(ids) + resumed) // max(chosen.decode.block_size, 1))
-                routed = self._routed.setdefault(chosen.decode.id, [0, 0])
-                routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
+                hits = self.registry.prefix_hits(chain) if chain else {}  # from memory: read just now
+            try:
+                chosen = route(prompt_tokens=len(ids), decodes=[self._with_routed(d) for d in decodes],
+                               prefills=prefills, policy=self.settings.policy, turn=next(self._turns),
+                               prefix_hits=hits, block_size=block_size,
+                               local_prefill_max_tokens=self.settings.local_prefill_max_tokens,
+                               max_active=self.settings.shed_active_requests)
+            except NoInstance as e:
+                unreachable = f" (unreachable: {', '.join(sorted(failed))})" if failed else ""
+                raise NoInstance(f"{e}{unreachable}") from None
+            blocks = -(-(len(ids) + resumed) // max(chosen.decode.block_size, 1))
+            routed = self._routed.setdefault(chosen.decode.id, [0, 0])
+            routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
             route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
                                        "prefill": chosen.prefill.id if chosen.prefill else ""})
         self.routes.add(1, {"decision": chosen.decision.value})
         return chosen, blocks
 
+    async def _read_registry(self, chain: list[int]):
+        """The instances and the prefix hits of `chain`: from the snapshot in memory, or, when it must read the
+        registry first, read on a thread (a registry that hangs must not stall every stream on the loop)."""
+        if self.registry.due():
+            return await asyncio.to_thread(self.registry.instances_and_hits, chain)
+        return self.registry.instances_and_hits(chain)
+
     def _with_routed(self, decode):
-        """The registry's record of `decode`, its load raised to what this router has routed there itself
-        (called under the lock)."""
+        """The registry's record of `decode`, its load raised to what this router has routed there itself."""
         requests, blocks = self._routed.get(decode.id, (0, 0))
         return dataclasses.replace(decode, active_requests=max(decode.active_requests, requests),
                                    kv_blocks_used=max(decode.kv_blocks_used, blocks))
 
     def _unroute(self, decode_id: str, blocks: int) -> None:
         """A try routed to `decode_id` ended (finished, failed or left)."""
-        with self._lock:
-            routed = self._routed[decode_id]
-            routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
-            if routed[0] == 0:
-                del self._routed[decode_id]
+        routed = self._routed[decode_id]
+        routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
+        if routed[0] == 0:
+            del self._routed[decode_id]
 
-    def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
+    async def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
         """One try on the chosen instances: the decode instance's responses. After a migration (`resume`:
         the tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
         metadata = outgoing_metadata()
@@ -261,47 +266,57 @@ class RouterCore:
         local = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
                                            sampling=sampling, resume_token_ids=resume)
 
-        def stream(request: internal_pb2.DecodeRequest):
+        async def stream(request: internal_pb2.DecodeRequest):
             responses = self.decode_streams.decode(chosen.decode.address, request, timeout=self._remaining(call))
-            call.add_callback(responses.cancel)  # the client left: stop the work downstream
-            return responses
+            try:  # a client that leaves cancels this task: closing the call cancels the request on decode
+                async for response in responses:
+                    yield response
+            finally:
+                responses.close()
 
         finished = False
         try:
             if not reserved:
-                yield from stream(local)
+                async for response in stream(local):
+                    yield response
             else:
-                join = self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
+                join = await self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
                 try:
-                    yield from stream(join)
+                    async for response in stream(join):
+                        yield response
                 except grpc.RpcError as e:
                     if e.code() is not grpc.StatusCode.NOT_FOUND:
                         raise
                     # the reservation's lease ran out before its KV came (a long prefill queue): decode prefills it
                     trace.get_current_span().add_event("reservation expired", {"decode": chosen.decode.id})
                     self.retries.add(1)
-                    yield from stream(local)
+                    async for response in stream(local):
+                        yield response
             finished = True
         finally:
             if reserved and not finished:  # a reservation Decode may never have joined: free it now (else a no-op)
-                self._cancel(decode, rid)
+                task = asyncio.ensure_future(self._cancel(decode, rid))  # not awaited: this task may be cancelled
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
 
     @staticmethod
-    def _cancel(decode, rid: str) -> None:
+    async def _cancel(decode, rid: str) -> None:
         """Best effort, on its own short deadline (the request's may have passed); a lease frees it otherwise."""
         try:
-            decode.Cancel(internal_pb2.CancelRequest(request_id=rid), timeout=CANCEL_TIMEOUT_S)
+            await decode.Cancel(internal_pb2.CancelRequest(request_id=rid), timeout=CANCEL_TIMEOUT_S)
         except grpc.RpcError:
             pass
 
-    def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
-        target = decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                                            transport=self.kv_transport),
-                                timeout=timeout, metadata=metadata).target
+    async def _disaggregate(self, rid, ids, sampling, chosen, decode, metadata, timeout) -> internal_pb2.DecodeRequest:
+        reserved = await decode.Reserve(internal_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids,
+                                                                    sampling=sampling, transport=self.kv_transport),
+                                        timeout=timeout, metadata=metadata)
+        target = reserved.target
         try:
             prefill = internal_pb2_grpc.PrefillStub(self.channels.get(chosen.prefill.address))
-            done = prefill.Prefill(internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                                               target=target), timeout=timeout, metadata=metadata)
+            done = await prefill.Prefill(internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
+                                                                     sampling=sampling, target=target),
+                                         timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # out of time: no recompute on decode either
                 raise DeadlineExceeded(f"prefill on {chosen.prefill.id}: {e.details()}") from None
@@ -316,6 +331,8 @@ class RouterCore:
         limit = self.settings.request_timeout_s
         return min(remaining, limit) if remaining is not None else limit
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """On the router's event loop: the decode streams and channels closed."""
         self.decode_streams.close()
-        self.channels.close()
+        await asyncio.gather(*self._cancels, return_exceptions=True)
+        await self.channels.aclose()

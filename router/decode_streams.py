@@ -1,26 +1,25 @@
 """The router's streams to its decode instances: one long-lived `Decode.Stream` per instance, shared by
-every request the router sends there.
+every request the router sends there; grpc.aio, on the router's event loop.
 
 Per request a stream would cost the decode process a gRPC message, and a wake of a handler thread, for
 every token: at 32 concurrent requests those wakes contend with the engine's thread for the GIL and
 slowed its steps by ~20 % (bench/RESULTS.md, "one stream per decode instance"). On a shared stream the
-decode instance sends what all requests got in one engine step as one message.
+decode instance sends what all requests got in one engine step as one message; on the router's side one
+task reads it and hands each request its events, with no thread between them and the client.
 
 `DecodeStreams.decode(address, request, timeout)` sends the request on the instance's stream (opened on
-first use, and again after one breaks) and returns its call: an iterator of the request's responses (its
-deltas, then its final response) with `cancel()`. It fails as a per-request `Decode` call would, with a
+first use, and again after one breaks) and returns its call: an async iterator of the request's responses
+(its deltas, then its final response). It fails as a per-request `Decode` call would, with a
 `grpc.RpcError` of the same status code: the code decode gave the request, DEADLINE_EXCEEDED when
-`timeout` passes first (the request is then cancelled on decode), and UNAVAILABLE for every request in
-flight on a stream that breaks (the instance died, or its connection did). A call given up on (cancelled,
-its deadline passed, or left unread) is cancelled on decode; a request that finished is not.
+`timeout` passes first, and UNAVAILABLE for every request in flight on a stream that breaks (the instance
+died, or its connection did). `close()` ends the call: a request decode has not finished (given up on,
+its deadline passed, its task cancelled) is cancelled on decode; iterating to the end or to a failure
+closes it too.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from typing import Iterator
+import asyncio
 
 import grpc
 from opentelemetry import propagate
@@ -29,7 +28,6 @@ from mesh.rpc import ChannelPool
 from protos.infermesh.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_CANCELLED = object()  # put in a call's queue by `cancel()`
 
 
 class StreamError(grpc.RpcError):
@@ -47,49 +45,41 @@ class StreamError(grpc.RpcError):
 
 
 class DecodeCall:
-    """One request's responses on a shared stream (an iterator; no generator, so that a call dropped unread
-    is released, and cancelled, as soon as nothing refers to it)."""
+    """One request's responses on a shared stream."""
 
-    def __init__(self, stream: "_Stream", request_id: str, events: queue.Queue, timeout: float) -> None:
+    def __init__(self, stream: "_Stream", request_id: str, events: asyncio.Queue, timeout: float) -> None:
         self._stream, self._request_id, self._events = stream, request_id, events
-        self._deadline = time.monotonic() + timeout
+        self._deadline = asyncio.get_running_loop().time() + timeout
         self._ended = False  # decode ended the request (its final response, or a failure) or the stream broke
+        self._closed = False
 
-    def __iter__(self) -> Iterator[inference_pb2.GenerateResponse]:
+    def __aiter__(self) -> "DecodeCall":
         return self
 
-    def __next__(self) -> inference_pb2.GenerateResponse:
+    async def __anext__(self) -> inference_pb2.GenerateResponse:
         if self._ended:
-            raise StopIteration
+            self.close()
+            raise StopAsyncIteration
         try:
-            event = self._next_event()
-        except grpc.RpcError:
-            self._release()
+            event = await self._next_event()
+        except BaseException:  # a failure, or the caller's task cancelled: done with either way
+            self.close()
             raise
         self._ended = event.response.HasField("final")
-        if self._ended:
-            self._release()
         return event.response
 
-    def cancel(self) -> None:
-        self._events.put(_CANCELLED)
+    def close(self) -> None:
+        """Done with the call (again: nothing): cancelled on decode unless decode ended it."""
+        if not self._closed:
+            self._closed = True
+            self._stream.release(self._request_id, cancel=not self._ended)
 
-    def __del__(self) -> None:
-        self._release()
-
-    def _release(self) -> None:  # the call is done with: cancelled on decode unless decode ended it
-        self._stream.release(self._request_id, cancel=not self._ended)
-
-    def _next_event(self) -> internal_pb2.StreamEvent:
-        remaining = self._deadline - time.monotonic()
+    async def _next_event(self) -> internal_pb2.StreamEvent:
         try:
-            if remaining <= 0:
-                raise queue.Empty
-            event = self._events.get(timeout=remaining)
-        except queue.Empty:
+            async with asyncio.timeout_at(self._deadline):
+                event = await self._events.get()
+        except TimeoutError:
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        if event is _CANCELLED:
-            raise StreamError(grpc.StatusCode.CANCELLED, "Cancelled")
         if isinstance(event, grpc.RpcError):  # the stream broke: the request ended with it
             self._ended = True
             raise event
@@ -100,74 +90,70 @@ class DecodeCall:
 
 
 class _Stream:
-    """One open `Decode.Stream`: requests go out through a queue, a reader thread hands each event to its
+    """One open `Decode.Stream`: requests go out through a queue, a reader task hands each event to its
     request's queue."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
-        self._out: queue.Queue = queue.Queue()
-        self._calls: dict[str, queue.Queue] = {}  # request id -> its events
-        self._lock = threading.Lock()
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._calls: dict[str, asyncio.Queue] = {}  # request id -> its events
         self.broken: grpc.RpcError | None = None
-        responses = internal_pb2_grpc.DecodeStub(channel).Stream(iter(self._out.get, None))
-        threading.Thread(target=self._read, args=(responses,), name="decode-stream", daemon=True).start()
+        self._call = internal_pb2_grpc.DecodeStub(channel).Stream(self._requests())
+        self._reader = asyncio.ensure_future(self._read())
 
     def call(self, request: internal_pb2.DecodeRequest, timeout: float) -> DecodeCall:
-        events: queue.Queue = queue.Queue()
-        with self._lock:
-            if self.broken is not None:
-                raise self.broken
-            self._calls[request.request_id] = events
+        if self.broken is not None:
+            raise self.broken
+        events: asyncio.Queue = asyncio.Queue()
+        self._calls[request.request_id] = events
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # the caller's trace: decode's span of the request continues it
-        self._out.put(internal_pb2.StreamRequest(decode=request, trace_context=carrier))
+        self._out.put_nowait(internal_pb2.StreamRequest(decode=request, trace_context=carrier))
         return DecodeCall(self, request.request_id, events, timeout)
 
     def release(self, request_id: str, cancel: bool) -> None:
-        """The request's call is done with (again: nothing); `cancel`: it did not finish, cancel it on decode."""
-        with self._lock:
-            ours = self._calls.pop(request_id, None) is not None
+        """The request's call is done with; `cancel`: it did not finish, cancel it on decode."""
+        ours = self._calls.pop(request_id, None) is not None
         if ours and cancel and self.broken is None:
-            self._out.put(internal_pb2.StreamRequest(cancel=internal_pb2.CancelRequest(request_id=request_id)))
+            self._out.put_nowait(internal_pb2.StreamRequest(cancel=internal_pb2.CancelRequest(request_id=request_id)))
 
     def close(self) -> None:
-        self._out.put(None)
+        self._out.put_nowait(None)
 
-    def _read(self, responses) -> None:
+    async def _requests(self):
+        while (request := await self._out.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
         try:
-            for message in responses:
+            async for message in self._call:
                 for event in message.events:
-                    with self._lock:
-                        events = self._calls.get(event.request_id)
+                    events = self._calls.get(event.request_id)
                     if events is not None:
-                        events.put(event)
+                        events.put_nowait(event)
             error: grpc.RpcError = StreamError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         except grpc.RpcError as e:  # whatever broke it, the requests on it may go on elsewhere
             error = StreamError(grpc.StatusCode.UNAVAILABLE, f"the decode stream broke: {e.details()}")
-        with self._lock:
-            self.broken = error
-            calls, self._calls = list(self._calls.values()), {}
+        self.broken = error
+        calls, self._calls = list(self._calls.values()), {}
         for events in calls:
-            events.put(error)
+            events.put_nowait(error)
         self.close()
 
 
 class DecodeStreams:
-    """The router's stream to each decode instance, by address."""
+    """The router's stream to each decode instance, by address (used on one event loop)."""
 
     def __init__(self, channels: ChannelPool) -> None:
         self._channels = channels
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
 
     def decode(self, address: str, request: internal_pb2.DecodeRequest, timeout: float) -> DecodeCall:
-        with self._lock:
-            stream = self._streams.get(address)
-            if stream is None or stream.broken is not None:
-                stream = self._streams[address] = _Stream(self._channels.get(address))
+        stream = self._streams.get(address)
+        if stream is None or stream.broken is not None:
+            stream = self._streams[address] = _Stream(self._channels.get(address))
         return stream.call(request, timeout)
 
     def close(self) -> None:
-        with self._lock:
-            for stream in self._streams.values():
-                stream.close()
-            self._streams.clear()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()

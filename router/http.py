@@ -1,13 +1,14 @@
-"""The router's OpenAI-compatible HTTP front: Starlette on uvicorn, in a thread of the router process.
+"""The router's OpenAI-compatible HTTP front: Starlette on uvicorn, on the router's event loop (`mesh.loop`,
+beside its grpc.aio server).
 
     GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health
 
 Every request goes the gRPC face's way: `RouterCore.admit`, prompts, then `RouterCore.stream` once per
-choice (one thread each, so each stream keeps its trace context and blocking calls off the event loop),
-with an `HttpCall` standing in for gRPC's context: the router's request timeout as the deadline, the
-client's headers as trace context (W3C `traceparent` honoured), and callbacks that cancel the work
-downstream when the client disconnects (watched for the whole request, streamed or not) — decode then
-frees the request's KV blocks. Failures are the same types as on gRPC, mapped by
+choice (a task each, so each stream keeps its trace context), with an `HttpCall` standing in for gRPC's
+context: the router's request timeout as the deadline, the client's headers as trace context (W3C
+`traceparent` honoured). When the client disconnects (watched for the whole request, streamed or not)
+the choices' tasks are cancelled, and the work downstream with them — decode then frees the request's
+KV blocks. Failures are the same types as on gRPC, mapped by
 `openai_api.HTTP_STATUSES` to statuses and OpenAI error bodies; one that happens after a stream started
 is sent as an `error` event before `[DONE]`.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from engine.errors import PeerFailed, RequestError, ServingError
 from mesh import tls
+from mesh.loop import LoopThread
 from router import openai_api
 from router.core import RouterCore
 
@@ -39,37 +40,16 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 class HttpCall:
-    """What `RouterCore.stream` needs of a call, for one HTTP request (thread-safe)."""
+    """What `RouterCore.stream` needs of a call, for one HTTP request."""
 
     def __init__(self, headers: list[tuple[str, str]], timeout_s: float) -> None:
         self.headers, self.deadline = headers, time.monotonic() + timeout_s
-        self._callbacks: list = []
-        self._ended = False
-        self._lock = threading.Lock()
 
     def time_remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def is_active(self) -> bool:
-        return not self._ended
-
-    def add_callback(self, fn) -> bool:
-        with self._lock:
-            if not self._ended:
-                self._callbacks.append(fn)
-                return True
-        fn()  # already over: at once
-        return True
-
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.headers
-
-    def end(self) -> None:
-        """The request is over (done, or the client left): run the callbacks once."""
-        with self._lock:
-            callbacks, self._callbacks, self._ended = self._callbacks, [], True
-        for fn in callbacks:
-            fn()
 
 
 def error_response(error: ServingError) -> JSONResponse:
@@ -78,60 +58,60 @@ def error_response(error: ServingError) -> JSONResponse:
 
 
 class OpenAIResponse:
-    """The ASGI response of one admitted request: its choices run in threads while the client is watched;
+    """The ASGI response of one admitted request: its choices run as tasks while the client is watched;
     then one JSON body, or (`stream`) server-sent events as tokens arrive."""
 
     def __init__(self, core: RouterCore, job: openai_api.Job, prompt_ids: list[list[int]], call: HttpCall) -> None:
         self.core, self.job, self.prompt_ids, self.call = core, job, prompt_ids, call
         self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+        self._tasks: list[asyncio.Task] = []  # one per choice
 
     async def __call__(self, scope, receive, send) -> None:
         async with anyio.create_task_group() as watching:
             watching.start_soon(self._watch, receive)
             try:
                 await (self._stream(send) if self.job.stream else self._whole(scope, send))
-            except OSError:  # the client is gone (the watcher ended the call already, or will)
+            except OSError:  # the client is gone (the watcher stopped the choices already, or will)
                 pass
             finally:
-                self.call.end()
+                self._stop()
                 watching.cancel_scope.cancel()
 
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.call.end()  # the client left: cancel the work downstream now
+        self._stop()  # the client left: cancel the work downstream now
+
+    def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
     async def _choices(self):
-        """(choice index, GenerateResponse | ServingError | None at its end), from one thread per choice."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        """(choice index, GenerateResponse | ServingError | None at its end), from one task per choice."""
+        queue: asyncio.Queue = asyncio.Queue()
         n = self.job.n
         for p, ids in enumerate(self.prompt_ids):
             for i in range(n):
-                threading.Thread(target=self._produce, args=(loop, queue, p * n + i, ids, i), daemon=True,
-                                 name="http-choice").start()
-        running = len(self.prompt_ids) * n
+                task = asyncio.create_task(self._produce(queue, p * n + i, ids, i))
+                # its end, however it ends (cancelled before it ran included)
+                task.add_done_callback(lambda _, index=p * n + i: queue.put_nowait((index, None)))
+                self._tasks.append(task)
+        running = len(self._tasks)
         while running:
             index, item = await queue.get()
             running -= item is None
             yield index, item
 
-    def _produce(self, loop, queue, index: int, ids: list[int], choice: int) -> None:
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (index, item))
-            except RuntimeError:  # the event loop is gone: the server is stopping
-                pass
-
+    async def _produce(self, queue: asyncio.Queue, index: int, ids: list[int], choice: int) -> None:
         try:
-            for response in self.core.stream(ids, self._sampling(ids, choice), f"{self.id}-{index}", self.call):
-                put(response)
+            async for response in self.core.stream(ids, self._sampling(ids, choice), f"{self.id}-{index}",
+                                                   self.call):
+                queue.put_nowait((index, response))
         except ServingError as e:
-            put(e)
+            queue.put_nowait((index, e))
         except Exception as e:  # noqa: BLE001 - a bug must still end the choice, and say so
-            put(PeerFailed(f"the router failed: {e!r}"))
-        finally:
-            put(None)
+            queue.put_nowait((index, PeerFailed(f"the router failed: {e!r}")))
 
     def _sampling(self, ids: list[int], choice: int):
         sampling = self.job.choice_sampling(choice)
@@ -148,7 +128,7 @@ class OpenAIResponse:
         async for index, item in self._choices():
             if isinstance(item, ServingError):
                 error = error or item
-                self.call.end()  # one choice failed: the answer fails, stop the others
+                self._stop()  # one choice failed: the answer fails, stop the others
             elif item is not None:
                 openai_api.accumulate(choices[index], item)
         if error is None:
@@ -171,7 +151,7 @@ class OpenAIResponse:
                 if not failed:
                     await _event(send, openai_api.error_body(item)[1])
                 failed = True
-                self.call.end()
+                self._stop()
             elif item is not None and not failed:
                 await self._send_delta(send, choices[index], item)
         if self.job.include_usage and not failed:
@@ -206,9 +186,9 @@ async def _no_receive():
 class HttpFront:
     """Serves the OpenAI API for `core` on host:port (0: any free port) until `stop()`."""
 
-    def __init__(self, core: RouterCore, host: str, port: int, health, bind_host: str = "") -> None:
-        """`health()`: whether the router serves (GET /health says 200, else 503); it listens on `bind_host`
-        ("": host) and is reached at `host`."""
+    def __init__(self, core: RouterCore, loop: LoopThread, host: str, port: int, health, bind_host: str = "") -> None:
+        """Served on `loop` (the one `core` runs on). `health()`: whether the router serves (GET /health says 200,
+        else 503); it listens on `bind_host` ("": host) and is reached at `host`."""
         self.core, self.health = core, health
         app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
@@ -225,18 +205,20 @@ class HttpFront:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                                     timeout_graceful_shutdown=5, ssl_certfile=certificate,
                                                     ssl_keyfile=key))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http-front",
-                                        daemon=True)
-        self._thread.start()
+        self._serving = loop.submit(self.server.serve(sockets=[sock]))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self._serving.done() or time.monotonic() > deadline:
+                self.stop()
                 raise OSError(f"the HTTP front did not start on {self.address}")
             time.sleep(0.01)
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        try:
+            self._serving.result(timeout=10)
+        except Exception:  # noqa: BLE001 - stopping: what the server failed with was said when it did
+            pass
 
     # ---- endpoints ------------------------------------------------------------------------
 

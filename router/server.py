@@ -1,6 +1,8 @@
 """The router process: the public `infermesh.v1.Inference` gRPC service and, with `--http-port`, the
 OpenAI-compatible HTTP front (`router.http`) — two faces over one path (`router.core`: checks, routing,
 streaming, retries) — in the shared lifecycle of `mesh.instance` (its in-flight work: its streams).
+Both faces and every client the core calls run on one asyncio event loop (`mesh.loop`): grpc.aio for
+gRPC, uvicorn for HTTP.
 
     python -m router.server --port 8000 --model smollm2-135m --registry redis://127.0.0.1:6379 [--http-port 8001]
 
@@ -13,6 +15,7 @@ import uuid
 
 from mesh.auth import bearer
 from mesh.instance import Instance
+from mesh.loop import LoopThread
 from mesh.registry import InstanceState, Registry, Role
 from mesh.registry.snapshot import Snapshot
 from mesh.service import serve
@@ -28,22 +31,24 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
-    def ListModels(self, request, context):
+    async def ListModels(self, request, context):
         self.core.admit(bearer(context.invocation_metadata()))
         return inference_pb2.ListModelsResponse(models=[self.core.model_card()])
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         self.core.admit(bearer(context.invocation_metadata()), request.model)
         if request.HasField("token_ids"):
             ids = self.core.prompt_ids(ids=list(request.token_ids.ids))
         else:
             ids = self.core.prompt_ids(text=request.text)
-        yield from self.core.stream(ids, request.sampling, _request_id(request.request_id), context)
+        async for response in self.core.stream(ids, request.sampling, _request_id(request.request_id), context):
+            yield response
 
-    def Chat(self, request, context):
+    async def Chat(self, request, context):
         self.core.admit(bearer(context.invocation_metadata()), request.model)
         ids = self.core.chat_ids([(m.role, m.content) for m in request.messages])
-        yield from self.core.stream(ids, request.sampling, _request_id(request.request_id), context)
+        async for response in self.core.stream(ids, request.sampling, _request_id(request.request_id), context):
+            yield response
 
 
 def _request_id(given: str) -> str:
@@ -59,15 +64,23 @@ class RouterInstance(Instance):
 
     def __init__(self, settings: RouterSettings, registry: Registry | None = None) -> None:
         super().__init__(settings, registry=registry)
-        # routing reads the registry from memory, refreshed as requests come, and survives outages
-        self.core = RouterCore(settings, Snapshot(self.registry, settings.registry_refresh_s), self.admit,
-                               self.metrics)
+        self.loop = LoopThread(f"{self.id}-loop")  # the gRPC server, the HTTP front and the core's clients run on it
         self.http = None
-        if settings.http_port is not None:
-            self.http = HttpFront(self.core, settings.host, settings.http_port, bind_host=settings.bind_host,
-                                  health=lambda: self.state is InstanceState.SERVING)
-        self.serve([(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceService(self.core),
-                     "infermesh.v1.Inference")])
+        try:
+            # routing reads the registry from memory, refreshed as requests come, and survives outages
+            self.core = RouterCore(settings, Snapshot(self.registry, settings.registry_refresh_s), self.admit,
+                                   self.metrics)
+            if settings.http_port is not None:
+                self.http = HttpFront(self.core, self.loop, settings.host, settings.http_port,
+                                      bind_host=settings.bind_host,
+                                      health=lambda: self.state is InstanceState.SERVING)
+            self.serve([(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceService(self.core),
+                         "infermesh.v1.Inference")])
+        except BaseException:
+            if self.http is not None:
+                self.http.stop()
+            self.loop.stop()
+            raise
 
     def describe(self) -> dict:
         return {"http_address": self.http.address if self.http else ""}
@@ -76,9 +89,12 @@ class RouterInstance(Instance):
         return self.core.active
 
     def close(self) -> None:
-        if self.http is not None:
-            self.http.stop()
-        self.core.close()
+        try:
+            if self.http is not None:
+                self.http.stop()
+            self.loop.run(self.core.close(), timeout_s=10)
+        finally:
+            self.loop.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

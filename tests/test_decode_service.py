@@ -3,9 +3,9 @@ cancellation frees blocks, bad input gets the right status code, and it keeps se
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from engine.weights import load_checkpoint
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.sink import PlanSink
-from mesh.rpc import ChannelPool, channel
+from mesh.rpc import ChannelPool, aio_channel, channel
 from mesh.settings import DecodeSettings
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
@@ -143,8 +143,22 @@ def local(rid: str, p: list[int], params: SamplingParams = GREEDY) -> internal_p
                                       sampling=sampling_message(params))
 
 
-def stream_threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name in ("decode-stream", "decode-stream-reader")}
+async def acollect(responses) -> tuple[list[int], object]:
+    tokens, final = [], None
+    async for r in responses:
+        if r.HasField("delta"):
+            tokens += r.delta.token_ids
+        else:
+            final = r.final
+    return tokens, final
+
+
+async def closed(streams: DecodeStreams, channels: ChannelPool) -> None:
+    """Close the router's streams and channels, then check nothing of them runs on the loop any more."""
+    streams.close()
+    await channels.aclose()
+    await asyncio.sleep(0.1)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
 
 
 def test_requests_on_one_stream_get_their_own_tokens_and_share_its_messages(decode):
@@ -154,13 +168,18 @@ def test_requests_on_one_stream_get_their_own_tokens_and_share_its_messages(deco
     prompts = {f"s{i}": prompt(5 + 7 * i, seed=10 + i) for i in range(6)}
     expected = dict(zip(prompts, (o.token_ids for o in LLM(folder, dtype="float32").generate(
         list(prompts.values()), GREEDY))))
-    streams = DecodeStreams(ChannelPool())
-    with ThreadPoolExecutor(6) as pool:
-        got = dict(zip(prompts, pool.map(lambda rid: collect(streams.decode(
-            instance.address, local(rid, prompts[rid]), timeout=60)), prompts)))
+
+    async def router():
+        channels = ChannelPool(aio_channel)
+        streams = DecodeStreams(channels)
+        got = await asyncio.gather(*(acollect(streams.decode(instance.address, local(rid, p), timeout=60))
+                                     for rid, p in prompts.items()))
+        await closed(streams, channels)
+        return dict(zip(prompts, got))
+
+    got = asyncio.run(router())
     assert {rid: tokens for rid, (tokens, _) in got.items()} == expected
     assert all(final.finish_reason == common_pb2.FINISH_REASON_LENGTH for _, final in got.values())
-    streams.close()
 
     done = threading.Event()
 
@@ -175,69 +194,89 @@ def test_requests_on_one_stream_get_their_own_tokens_and_share_its_messages(deco
         if len(finals) == 4:
             done.set()
     assert finals == {f"raw{i}" for i in range(4)} and max(len(ids) for ids in per_message) >= 2
-    wait_until(lambda: blocks_used(admin) == 0 and not stream_threads())
+    wait_until(lambda: blocks_used(admin) == 0)
 
 
 def test_a_request_that_fails_on_a_stream_fails_alone_with_its_status_code(decode):
     """Bad sampling parameters and a join without a reservation end those requests with the codes a Decode
     call gets (INVALID_ARGUMENT naming the field, NOT_FOUND); a request beside them streams on."""
     instance, _, admin, folder = decode
-    streams = DecodeStreams(ChannelPool())
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    good = streams.decode(instance.address, local("good", prompt(9, seed=3), long), timeout=60)
-    first = next(good)
-    bad_sampling = internal_pb2.DecodeRequest(request_id="bad", prefill_locally=True, prompt_token_ids=[5],
-                                              sampling=common_pb2.SamplingParams(temperature=-1))
-    bad = streams.decode(instance.address, bad_sampling, timeout=60)
-    with pytest.raises(grpc.RpcError) as e:
-        list(bad)
-    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature must be >= 0" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        list(streams.decode(instance.address, internal_pb2.DecodeRequest(
-            request_id="nobody", kv_status=internal_pb2.KV_STATUS_READY), timeout=60))
-    assert e.value.code() is grpc.StatusCode.NOT_FOUND and "nobody" in e.value.details()
-    tokens, final = collect(good)
+
+    async def router():
+        channels = ChannelPool(aio_channel)
+        streams = DecodeStreams(channels)
+        good = streams.decode(instance.address, local("good", prompt(9, seed=3), long), timeout=60)
+        first = await anext(good)
+        bad_sampling = internal_pb2.DecodeRequest(request_id="bad", prefill_locally=True, prompt_token_ids=[5],
+                                                  sampling=common_pb2.SamplingParams(temperature=-1))
+        with pytest.raises(grpc.RpcError) as e:
+            await acollect(streams.decode(instance.address, bad_sampling, timeout=60))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature must be >= 0" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            await acollect(streams.decode(instance.address, internal_pb2.DecodeRequest(
+                request_id="nobody", kv_status=internal_pb2.KV_STATUS_READY), timeout=60))
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND and "nobody" in e.value.details()
+        tokens, _ = await acollect(good)
+        await closed(streams, channels)
+        return list(first.delta.token_ids) + tokens
+
+    got = asyncio.run(router())
     (expected,) = LLM(folder, dtype="float32").generate([prompt(9, seed=3)], long)
-    assert list(first.delta.token_ids) + tokens == expected.token_ids
-    streams.close()
-    wait_until(lambda: blocks_used(admin) == 0 and not stream_threads())
+    assert got == expected.token_ids
+    wait_until(lambda: blocks_used(admin) == 0)
 
 
 def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and_frees_its_blocks(decode, monkeypatch):
-    """Cancelled by the router (its client left), past its deadline, dropped unread, or open when the router
-    closes the stream: decode aborts the request (it does not run on to its end) and frees its blocks each
-    time; the stream serves on but for the last."""
+    """Its task cancelled (the router's client left), past its deadline, closed unread, or open when the
+    router closes the stream: decode aborts the request (it does not run on to its end) and frees its blocks
+    each time; the stream serves on but for the last."""
     instance, _, admin, _ = decode
     engine, aborted = instance.core.engine, []
     abort = engine.abort
     monkeypatch.setattr(engine, "abort", lambda rid: aborted.append(rid) or abort(rid))
-    streams = DecodeStreams(ChannelPool())
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    call = streams.decode(instance.address, local("c1", prompt(40, seed=4), long), timeout=60)
-    assert next(call).delta.token_ids and blocks_used(admin) > 0
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as e:
-        list(call)
-    assert e.value.code() is grpc.StatusCode.CANCELLED
-    wait_until(lambda: blocks_used(admin) == 0)
 
-    late = streams.decode(instance.address, local("c2", prompt(40, seed=5), long), timeout=0.05)
-    with pytest.raises(grpc.RpcError) as e:
-        list(late)
-    assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: blocks_used(admin) == 0)
+    async def eventually(condition) -> None:
+        await asyncio.to_thread(wait_until, condition)
 
-    tokens, _ = collect(streams.decode(instance.address, local("c3", [5, 6]), timeout=60))
-    assert len(tokens) == 8  # the same stream serves on
-    dropped = streams.decode(instance.address, local("c5", prompt(40, seed=7), long), timeout=60)
-    wait_until(lambda: blocks_used(admin) > 0)
-    del dropped  # never read: cancelled as well
-    wait_until(lambda: blocks_used(admin) == 0)
-    left = streams.decode(instance.address, local("c4", prompt(40, seed=6), long), timeout=60)
-    assert next(left).delta.token_ids and blocks_used(admin) > 0
-    streams.close()
-    with pytest.raises(grpc.RpcError) as e:
-        list(left)
-    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-    wait_until(lambda: blocks_used(admin) == 0 and not stream_threads())
+    async def router():
+        channels = ChannelPool(aio_channel)
+        streams = DecodeStreams(channels)
+        first = asyncio.Event()
+
+        async def client():
+            async for _ in streams.decode(instance.address, local("c1", prompt(40, seed=4), long), timeout=60):
+                first.set()
+
+        task = asyncio.create_task(client())
+        await first.wait()
+        assert blocks_used(admin) > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await eventually(lambda: blocks_used(admin) == 0)
+
+        late = streams.decode(instance.address, local("c2", prompt(40, seed=5), long), timeout=0.05)
+        with pytest.raises(grpc.RpcError) as e:
+            await acollect(late)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await eventually(lambda: blocks_used(admin) == 0)
+
+        tokens, _ = await acollect(streams.decode(instance.address, local("c3", [5, 6]), timeout=60))
+        assert len(tokens) == 8  # the same stream serves on
+        unread = streams.decode(instance.address, local("c5", prompt(40, seed=7), long), timeout=60)
+        await eventually(lambda: blocks_used(admin) > 0)
+        unread.close()
+        await eventually(lambda: blocks_used(admin) == 0)
+        left = streams.decode(instance.address, local("c4", prompt(40, seed=6), long), timeout=60)
+        assert (await anext(left)).delta.token_ids and blocks_used(admin) > 0
+        streams.close()
+        with pytest.raises(grpc.RpcError) as e:
+            await acollect(left)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        await eventually(lambda: blocks_used(admin) == 0)
+        await closed(streams, channels)
+
+    asyncio.run(router())
     assert {"c1", "c2", "c4", "c5"} <= set(aborted) and "c3" not in aborted

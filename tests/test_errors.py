@@ -1,6 +1,7 @@
-"""Typed failures at the gRPC edge: every type in the table, raised by a real service over loopback, before
-a response or mid-stream, reaches the client with the table's status code and its own message; types not
-in the table take their base class's code; a peer's status read back gives the type again."""
+"""Typed failures at the gRPC edge: every type in the table, raised by a real service over loopback (a sync
+server, a grpc.aio one with plain handlers and with coroutines), before a response or mid-stream, reaches
+the client with the table's status code and its own message; types not in the table take their base
+class's code; a peer's status read back gives the type again."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from engine.errors import NoReservation, RequestError, ServingError, Unavailable
 from engine.sampling_params import SamplingParamsError
 from kvtransfer.transport import PieceRejected
 from mesh.errors import STATUS_CODES, from_status, status_code
+from mesh.loop import LoopThread
 from mesh.rpc import channel, start_server
 from protos.infermesh.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 from router.policy import NoInstance
@@ -29,15 +31,29 @@ class Raising(internal_pb2_grpc.DecodeServicer):
         raise self.error
 
 
-@pytest.fixture(scope="module")
-def raising():
-    servicer = Raising()
+class AsyncRaising(Raising):
+    """`Raising` with coroutine handlers, as a grpc.aio server runs them on its loop."""
+
+    async def Cancel(self, request, context):
+        raise self.error
+
+    async def Decode(self, request, context):
+        yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(text="first"))
+        raise self.error
+
+
+@pytest.fixture(scope="module", params=["sync server", "aio server, plain handlers", "aio server, coroutines"])
+def raising(request):
+    servicer = AsyncRaising() if request.param == "aio server, coroutines" else Raising()
+    loop = None if request.param == "sync server" else LoopThread("test-loop")
     server, port, _ = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_DecodeServicer_to_server, servicer,
-                                                     "infermesh.v1.Decode")])
+                                                     "infermesh.v1.Decode")], loop=loop)
     ch = channel(f"127.0.0.1:{port}")
     yield servicer, internal_pb2_grpc.DecodeStub(ch)
     ch.close()
-    server.stop(None)
+    server.stop(None).wait()
+    if loop is not None:
+        loop.stop()
 
 
 @pytest.mark.parametrize("kind", list(STATUS_CODES), ids=lambda kind: kind.__name__)

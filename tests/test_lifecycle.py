@@ -144,6 +144,7 @@ def test_router_finishes_the_streams_it_serves_refuses_new_ones_and_stops(llama)
         tokens, final = collect(stream)
         assert len(tokens) == 12 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert_stopped(router, registry)
+        assert f"{router.id}-loop" not in {t.name for t in threading.enumerate()}  # its event loop's thread ended
     finally:
         decode.stop()
 

@@ -3,16 +3,19 @@ same port: during the outage the router routes on the last instances it read and
 with the engine's tokens; once Redis is back, every instance has registered again by its heartbeat and
 the mesh serves on. Real redis-server, real gRPC instances. And the router's snapshot of the registry
 (`mesh.registry.snapshot`): answered from memory, read again behind the requests, read on the request
-when it has no serving decode instance, kept through an outage."""
+when it has no serving decode instance, kept through an outage; a read that hangs holds up only the request
+that waits for it."""
 
 from __future__ import annotations
 
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from decode_svc.server import DecodeInstance
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.errors import Unavailable
 from mesh.registry import InstanceInfo, InstanceState, MemoryRegistry, Role, connect_registry
 from mesh.registry.snapshot import Snapshot
@@ -135,3 +138,52 @@ def test_a_background_read_that_fails_keeps_the_snapshot_and_the_next_one_catche
     registry.down = False
     registry.register(decode("d2"), ttl_s=30)
     wait_until(lambda: [i.id for i in view.instances()] == ["d1", "d2"])  # a later request's background read
+
+
+class Hanging(MemoryRegistry):
+    """A memory registry whose reads can hang: a registry host partitioned away (no answer, no error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answering = threading.Event()
+        self.answering.set()
+        self.hung = 0  # reads waiting for an answer
+
+    def snapshot(self):
+        self.hung += 1
+        self.answering.wait()
+        self.hung -= 1
+        return super().snapshot()
+
+
+def test_a_registry_read_that_hangs_stalls_only_the_request_that_waits_for_it(tiny_checkpoint):
+    """The router's streams share one event loop: a request whose route waits for a registry that does not
+    answer waits alone (its read runs on a thread), a stream in flight streams to its end meanwhile, and
+    once the registry answers the waiting request is served."""
+    folder, _ = tiny_checkpoint("llama")
+    registry = Hanging()
+    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22)
+    decode_instance = DecodeInstance(DecodeSettings(**common), registry=registry)
+    router = RouterInstance(RouterSettings(model=str(folder)), registry=registry)
+    router.core.registry = Snapshot(registry, stale_s=0.0, retry_s=0.0)  # every request reads the registry first
+    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(folder), dtype="float32")
+    expected_long = reference.generate([[5, 6, 7]], long)[0].token_ids
+    expected_short = reference.generate([[8, 9]], GREEDY)[0].token_ids
+    tokens: list[int] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(lambda: generate(router.address, [5, 6, 7], long))
+            wait_until(lambda: decode_instance.in_flight() == 1)
+            registry.answering.clear()
+            waiting = pool.submit(lambda: generate(router.address, [8, 9]))
+            wait_until(lambda: registry.hung == 1)
+            tokens = streaming.result(timeout=60)[0]  # streams on while the other request waits
+            assert not waiting.done() and registry.hung == 1
+            registry.answering.set()
+            assert waiting.result(timeout=60)[0] == expected_short
+        assert tokens == expected_long
+    finally:
+        registry.answering.set()
+        router.stop()
+        decode_instance.stop()

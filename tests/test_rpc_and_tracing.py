@@ -1,4 +1,5 @@
-"""Every service: health and reflection for clients that know nothing of our stubs; trace context across hops."""
+"""Every service (on a sync gRPC server or a grpc.aio one): health and reflection for clients that know
+nothing of our stubs; trace context across hops."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from mesh.loop import LoopThread
 from mesh.rpc import channel, start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
@@ -23,12 +25,15 @@ class FixedStatus(internal_pb2_grpc.AdminServicer):
             return internal_pb2.InstanceStatus(id="x", kv_blocks_total=42)
 
 
-@pytest.fixture
-def admin_server():
+@pytest.fixture(params=["sync server", "aio server"])
+def admin_server(request):
+    loop = LoopThread("test-loop") if request.param == "aio server" else None
     server, port, health = start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_AdminServicer_to_server, FixedStatus(),
-                                                          "infermesh.v1.Admin")])
+                                                          "infermesh.v1.Admin")], loop=loop)
     yield f"127.0.0.1:{port}", health
-    server.stop(None)
+    server.stop(None).wait()
+    if loop is not None:
+        loop.stop()
 
 
 def by_reflection(address: str, service: str, method_name: str):

@@ -18,7 +18,8 @@ When a read fails (Redis restarting, a partition) the snapshot stays as it was f
 lasts, so the router routes on the last instances it read (with their last block hashes); a request reads
 the registry itself again only `retry_s` after a failure, so an unreachable registry costs one connect
 timeout per `retry_s`, not one per request. With no snapshot yet, a failed read raises `Unavailable`.
-Writes pass through.
+`due()` says whether the next answer reads the registry first (a caller on an event loop does that on a
+thread). Writes pass through.
 """
 
 from __future__ import annotations
@@ -45,13 +46,24 @@ class Snapshot(Registry):
         self._reading = False  # a background read is running
         self._lock = threading.Lock()
 
+    def due(self) -> bool:
+        """Whether `current()` would read the registry first, on the caller's thread (one connect timeout at
+        worst): an event loop asks this, to make that read on a thread rather than stall its other work."""
+        now = time.monotonic()
+        with self._lock:
+            instances, age = self._instances, now - self._read_at
+        return self._stale(instances, age) and now >= self._retry_at
+
+    def _stale(self, instances: list[InstanceInfo] | None, age: float) -> bool:
+        return instances is None or age >= self.stale_s or not any(
+            i.role is Role.DECODE and i.state is InstanceState.SERVING for i in instances)
+
     def current(self) -> tuple[list[InstanceInfo], dict[str, frozenset[int]]]:
         """The instances and their block hashes, read again first or in the background as the rules say."""
         now = time.monotonic()
         with self._lock:
             instances, blocks, age = self._instances, self._blocks, now - self._read_at
-        if instances is None or age >= self.stale_s or not any(
-                i.role is Role.DECODE and i.state is InstanceState.SERVING for i in instances):
+        if self._stale(instances, age):
             if now >= self._retry_at:
                 self._read()
                 with self._lock:
