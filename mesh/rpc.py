@@ -125,6 +125,10 @@ def start_health_server(host: str, port: int, health_servicer: Health) -> tuple[
     return server, bound
 
 
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to a peer: TLS with this process's identity when `mesh.tls` says so, else plaintext."""
     me = tls.identity()
@@ -139,10 +143,6 @@ def aio_channel(address: str) -> grpc.aio.Channel:
     if me is None:
         return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
-
-
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 class ChannelPool:
