@@ -11,6 +11,7 @@ With `--api-token` (or INFERMESH_API_TOKEN) both faces need `authorization: Bear
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from mesh.auth import bearer
@@ -23,6 +24,8 @@ from mesh.settings import RouterSettings
 from protos.infermesh.v1 import inference_pb2, inference_pb2_grpc
 from router.core import RouterCore
 from router.http import HttpFront
+
+TOKENIZE_ON_THE_LOOP_CHARS = 4096  # longer prompts are tokenized on a thread (`_tokenized`)
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -40,15 +43,24 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if request.HasField("token_ids"):
             ids = self.core.prompt_ids(ids=list(request.token_ids.ids))
         else:
-            ids = self.core.prompt_ids(text=request.text)
+            ids = await _tokenized(len(request.text), self.core.prompt_ids, text=request.text)
         async for response in self.core.stream(ids, request.sampling, _request_id(request.request_id), context):
             yield response
 
     async def Chat(self, request, context):
         self.core.admit(bearer(context.invocation_metadata()), request.model)
-        ids = self.core.chat_ids([(m.role, m.content) for m in request.messages])
+        messages = [(m.role, m.content) for m in request.messages]
+        ids = await _tokenized(sum(len(content) for _, content in messages), self.core.chat_ids, messages)
         async for response in self.core.stream(ids, request.sampling, _request_id(request.request_id), context):
             yield response
+
+
+async def _tokenized(chars: int, tokenize, *args, **kwargs) -> list[int]:
+    """`tokenize(...)`: on the event loop for a short prompt, on a thread for a long one, whose tokenizing would
+    hold up every stream the loop relays (~1 ms at 4,096 characters, ~0.4 s at 1 MB)."""
+    if chars <= TOKENIZE_ON_THE_LOOP_CHARS:
+        return tokenize(*args, **kwargs)
+    return await asyncio.to_thread(tokenize, *args, **kwargs)
 
 
 def _request_id(given: str) -> str:

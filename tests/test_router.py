@@ -1,9 +1,11 @@
 """Router + prefill + decode over real gRPC (one process, shared in-memory registry): streamed tokens equal
 the single engine's for concurrent requests of mixed lengths, taking both sides of conditional
-disaggregation; cancellation reaches decode; bad input and missing instances get clear status codes."""
+disaggregation; cancellation reaches decode; bad input and missing instances get clear status codes; a long
+prompt's tokenizing holds up no other stream."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +22,7 @@ from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
+from router import server as router_server
 from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
 
@@ -171,3 +174,40 @@ def test_a_decode_instance_that_is_gone_is_skipped_before_the_first_token(mesh):
     finally:
         registry.deregister("aaa-ghost")
         until_seen(router, lambda ids: "aaa-ghost" not in ids)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop_and_streams_in_flight_go_on(mesh, monkeypatch):
+    """The router relays every stream on one event loop: a text prompt past TOKENIZE_ON_THE_LOOP_CHARS is
+    tokenized on a thread, so while its tokenizing runs (held here) a stream in flight streams to its end; then
+    the long prompt is served with the engine's tokens."""
+    router, _, decode, _, llm = mesh
+    monkeypatch.setattr(router_server, "TOKENIZE_ON_THE_LOOP_CHARS", 16)
+    tokenizer, tokenizing, release = router.core.tokenizer, threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def held(text: str, **kwargs) -> list[int]:
+        if len(text) > 16:
+            tokenizing.set()
+            release.wait(60)
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", held)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    text = "a prompt longer than sixteen characters"
+    stub = inference_pb2_grpc.InferenceStub(channel(router.address))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(generate, router.address, [5, 6, 7], long)
+            waiting = pool.submit(lambda: list(stub.Generate(inference_pb2.GenerateRequest(
+                text=text, sampling=sampling_message(GREEDY)), timeout=60)))
+            assert tokenizing.wait(30)
+            tokens, _ = streaming.result(timeout=60)  # streams on while the long prompt is being tokenized
+            assert not waiting.done()
+            release.set()
+            responses = waiting.result(timeout=60)
+    finally:
+        release.set()
+    assert tokens == llm.generate([[5, 6, 7]], long)[0].token_ids
+    expected = llm.generate([encode(text)], GREEDY)[0].token_ids
+    assert [t for r in responses if r.HasField("delta") for t in r.delta.token_ids] == expected
+    assert decode.in_flight() == 0
