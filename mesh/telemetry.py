@@ -2,7 +2,7 @@
 
 `setup_tracing(spec, service)` configures this process once: `none` (default),
 `console`, `otlp` (the OTLP/gRPC exporter, from the `otlp` extra; endpoint from
-the standard OTEL_EXPORTER_OTLP_* variables) or `file:PATH` (each finished span
+the standard OTEL_EXPORTER_OTLP_* variables; sent in batches off the request's path) or `file:PATH` (each finished span
 appended to PATH as one JSON line; every process of a mesh may share the file).
 Clients put `outgoing_metadata()` on their calls; servers open their span with
 `server_span(grpc_context, name)`, which continues the caller's trace.
@@ -32,8 +32,14 @@ from opentelemetry.sdk.metrics.export import (
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
 
 def _append_lines(path: str, records: Sequence[dict]) -> None:
@@ -121,9 +127,16 @@ def setup_tracing(spec: str, service: str) -> TracerProvider | None:
     if exporter is None:
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))  # spans are written as they end: none lost at exit
+    provider.add_span_processor(span_processor(spec, exporter))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def span_processor(spec: str, exporter: SpanExporter) -> SpanProcessor:
+    """Local exporters (console, file) write each span as it ends, so none is lost at exit; OTLP sends them in
+    batches from a thread of its own: a collector that is slow or gone must not hold up the request that ended
+    a span (in the router, the event loop every stream is relayed on). Its queue is flushed at shutdown."""
+    return BatchSpanProcessor(exporter) if spec == "otlp" else SimpleSpanProcessor(exporter)
 
 
 def push_metrics_reader(spec: str, interval_s: float = 10.0) -> MetricReader | None:

@@ -119,3 +119,44 @@ def test_a_bad_trace_spec_is_refused():
 
     with pytest.raises(ValueError, match="trace must be none, console, otlp or file:PATH, got 'jaeger'"):
         setup_tracing("jaeger", "x")
+
+
+def test_a_collector_that_hangs_holds_up_no_span_and_a_file_gets_each_span_as_it_ends(tmp_path):
+    """OTLP spans go out in batches from a thread of their own: with an exporter that never returns (a
+    collector gone silent) ending a span returns at once, and shutdown hands it the span; a file exporter
+    has each span on disk as soon as it ends."""
+    import threading
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from mesh.telemetry import JsonLinesExporter, span_processor
+
+    class Hanging(SpanExporter):
+        def __init__(self) -> None:
+            self.calls, self.release = threading.Event(), threading.Event()
+
+        def export(self, spans):
+            self.calls.set()
+            self.release.wait(30)
+            return SpanExportResult.SUCCESS
+
+    hanging, path = Hanging(), tmp_path / "spans.jsonl"
+    remote, local = TracerProvider(), TracerProvider()
+    remote.add_span_processor(span_processor("otlp", hanging))
+    local.add_span_processor(span_processor(f"file:{path}", JsonLinesExporter(str(path))))
+    finished = threading.Event()
+
+    def request():
+        with remote.get_tracer("t").start_as_current_span("router.generate"):
+            pass
+        finished.set()
+
+    threading.Thread(target=request, daemon=True).start()
+    assert finished.wait(10) and not hanging.calls.is_set()  # ended, and nothing was sent on its way
+    with local.get_tracer("t").start_as_current_span("decode.request"):
+        pass
+    assert json.loads(path.read_text())["name"] == "decode.request"
+    hanging.release.set()
+    remote.shutdown()
+    assert hanging.calls.is_set()
