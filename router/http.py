@@ -66,6 +66,7 @@ class OpenAIResponse:
         self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self._tasks: list[asyncio.Task] = []  # one per choice
+        self._stopped = False  # the client left, or the answer is over: no choice runs on
 
     async def __call__(self, scope, receive, send) -> None:
         async with anyio.create_task_group() as watching:
@@ -84,6 +85,7 @@ class OpenAIResponse:
         self._stop()  # the client left: cancel the work downstream now
 
     def _stop(self) -> None:
+        self._stopped = True
         for task in self._tasks:
             task.cancel()
 
@@ -97,6 +99,8 @@ class OpenAIResponse:
                 # its end, however it ends (cancelled before it ran included)
                 task.add_done_callback(lambda _, index=p * n + i: queue.put_nowait((index, None)))
                 self._tasks.append(task)
+                if self._stopped:  # the client left before the choices began
+                    task.cancel()
         running = len(self._tasks)
         while running:
             index, item = await queue.get()

@@ -251,6 +251,36 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_decode(mesh):
         del core.cancel
 
 
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_kv_on_decode(mesh):
+    """Not streamed: the client gives up waiting for the body (its read timeout) while decode holds the request;
+    the router sees the connection close, cancels the choice's task and with it the request on decode."""
+    router, decode, _, folder = mesh
+    core, engine = decode.core, decode.core.engine
+    step, cancel, steps, cancels = engine.step, core.cancel, [0], []
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    core.cancel = lambda rid: cancels.append(rid) or cancel(rid)
+    try:
+        gate = hold_steps(decode)  # no step runs until the client has left
+        body = {"model": folder, "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://{router.http.address}/v1/completions", json=body,
+                       timeout=httpx.Timeout(30, read=1.0))
+        wait_until(lambda: cancels)
+        held = steps[0]
+        gate.set()
+        admin = internal_pb2_grpc.AdminStub(channel(decode.address))
+        wait_until(lambda: admin.Status(internal_pb2.StatusRequest(), timeout=10).kv_blocks_used == 0)
+        assert steps[0] - held <= 2  # cancelled at once, not run to its 400 tokens
+    finally:
+        engine.step = step
+        del core.cancel
+
+
 def test_an_http_request_continues_the_clients_trace_across_the_mesh(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     spans_file = tmp_path / "spans.jsonl"
