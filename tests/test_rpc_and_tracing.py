@@ -121,7 +121,7 @@ def test_a_bad_trace_spec_is_refused():
         setup_tracing("jaeger", "x")
 
 
-def test_a_collector_that_hangs_holds_up_no_span_and_a_file_gets_each_span_as_it_ends(tmp_path):
+def test_a_collector_that_hangs_holds_up_no_span_and_a_file_gets_each_span_as_it_ends(tmp_path, monkeypatch):
     """OTLP spans go out in batches from a thread of their own: with an exporter that never returns (a
     collector gone silent) ending a span returns at once, and shutdown hands it the span; a file exporter
     has each span on disk as soon as it ends."""
@@ -141,6 +141,7 @@ def test_a_collector_that_hangs_holds_up_no_span_and_a_file_gets_each_span_as_it
             self.release.wait(30)
             return SpanExportResult.SUCCESS
 
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")  # no timed batch before shutdown, however slow the host
     hanging, path = Hanging(), tmp_path / "spans.jsonl"
     remote, local = TracerProvider(), TracerProvider()
     remote.add_span_processor(span_processor("otlp", hanging))
