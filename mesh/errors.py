@@ -130,9 +130,8 @@ def _streaming(behaviour):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             yield from behaviour(request, context)
-        except ServingError as e:  # the status ends the stream (no abort: on a grpc.aio server a plain
-            context.set_code(status_code(e))  # handler's abort races the write of its last response)
-            context.set_details(str(e))
+        except ServingError as e:
+            _end_stream(context, e)
     return call
 
 
@@ -155,6 +154,12 @@ def _async_streaming(behaviour):
             async for response in behaviour(request, context):
                 yield response
         except ServingError as e:
-            context.set_code(status_code(e))
-            context.set_details(str(e))
+            _end_stream(context, e)
     return call
+
+
+def _end_stream(context, error: ServingError) -> None:
+    """The status a stream ends with once its handler returns. No abort: on a grpc.aio server a plain
+    handler's abort races the write of its last response (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS)."""
+    context.set_code(status_code(error))
+    context.set_details(str(error))

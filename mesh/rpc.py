@@ -131,18 +131,20 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 
 def channel(address: str) -> grpc.Channel:
     """A channel to a peer: TLS with this process's identity when `mesh.tls` says so, else plaintext."""
-    me = tls.identity()
-    if me is None:
-        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
+    return _dial(grpc, address)
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
     """`channel`'s grpc.aio twin, for coroutines (made on the loop it is used on)."""
+    return _dial(grpc.aio, address)
+
+
+def _dial(api, address: str):
+    """A channel of `api` (grpc, or grpc.aio: the same two constructors) to `address`."""
     me = tls.identity()
     if me is None:
-        return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
+        return api.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return api.secure_channel(address, *tls.channel_credentials(me, _CHANNEL_OPTIONS))
 
 
 class ChannelPool:
