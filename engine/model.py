@@ -2,8 +2,9 @@
 
 The architectures differ only in a few switches read from `ModelConfig`: q/k
 RMSNorm (qwen3), and a dense SwiGLU MLP or a `SparseMoE` per layer. Projections are
-fused (qkv, gate_up) when weights load: fewer, larger matmuls. The model never
-imports torch.distributed; parallelism is applied from outside.
+fused (qkv, gate_up) when weights load: fewer, larger matmuls. On CPU a decode-only step
+runs its layers in one C++ call where they fit it (engine/decode_layers.py: the same bits).
+The model never imports torch.distributed; parallelism is applied from outside.
 
 `forward(token_ids [T], positions [T], kv_cache, meta) -> hidden [T, D]`;
 `compute_logits(hidden [N, D]) -> [N, V]` in the model's dtype, run only on the rows sampled.
@@ -18,6 +19,7 @@ from torch import nn
 from engine import bf16
 from engine.attention import AttentionMetadata, RotaryEmbedding, fused_decode, paged_attention, rotate_
 from engine.config import ModelConfig
+from engine.decode_layers import DecodeLayers
 from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
 
@@ -148,10 +150,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # shares embed's weight when tied
+        self._decode_layers: DecodeLayers | bool | None = None  # decode steps' layers in one call: read on first use
 
     def forward(self, token_ids, positions, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(token_ids)  # [T, D]
         rope = self.rope.tables(positions, x.dtype)
+        if self._decode_layers is None:
+            self._decode_layers = DecodeLayers.of(self) or False
+        if self._decode_layers and (out := self._decode_layers(x, rope, kv_cache, meta)) is not None:
+            return out
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)

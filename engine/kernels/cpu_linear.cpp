@@ -655,6 +655,13 @@ Bf16Path bf16_path() {
 
 }  // namespace infermesh_cpu
 
+namespace infermesh_cpu::direct {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) { return ::linear(x, weight); }
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  return ::linear_int8(x, weight, scale);
+}
+}  // namespace infermesh_cpu::direct
+
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);
   m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);

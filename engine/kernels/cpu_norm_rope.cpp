@@ -127,6 +127,14 @@ at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 
 }  // namespace
 
+namespace infermesh_cpu::direct {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  return ::add_rms_norm(x, delta, weight, eps);
+}
+}  // namespace infermesh_cpu::direct
+
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);

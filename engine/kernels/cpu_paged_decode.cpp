@@ -461,6 +461,14 @@ at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Ten
 
 }  // namespace
 
+namespace infermesh_cpu::direct {
+at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables,
+                            const at::Tensor& lens, const at::Tensor& kv_heads, double scale, int64_t heads) {
+  return ::decode_attention(qkv, cos, sin, k_cache, v_cache, slots, tables, lens, kv_heads, scale, heads);
+}
+}  // namespace infermesh_cpu::direct
+
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "Tensor kv_head, float scale) -> Tensor", &paged_decode);

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 namespace infermesh_cpu {
@@ -266,5 +267,18 @@ void parallel_for(int64_t n, const F& f) {
 // INFERMESH_CPU_BF16 caps it. Float32 and half always take fma.
 enum class Bf16Path { fma, dot, amx };  // slowest to fastest
 Bf16Path bf16_path();
+
+// The ops that cpu_decode_layers.cpp chains in one call, callable without the dispatcher (each defined beside
+// its op, which it is).
+namespace direct {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps);
+at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables,
+                            const at::Tensor& lens, const at::Tensor& kv_heads, double scale, int64_t heads);
+}  // namespace direct
 
 }  // namespace infermesh_cpu

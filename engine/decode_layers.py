@@ -1,0 +1,81 @@
+"""A decode-only step's decoder layers in one C++ call on CPU (engine/kernels/cpu_decode_layers.cpp).
+
+Between its projections a batch-1 decode step on SmolLM2 makes ~10 small calls a layer (norms, attention,
+SiLU, adds), each back through Python and torch's dispatcher, each with its code and data evicted from cache
+by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the decoder layers in one call").
+The C++ op chains the same kernels for every layer, so a step computes the same bits either way.
+
+`DecodeLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers without q/k
+norms or biases, paged attention not replaced (context parallelism) and no forward hooks (tensor
+parallelism's all-reduces), every projection bf16/fp16/fp32 (`Linear`) or int8 (`Int8Linear`), one norm
+epsilon. The model reads it at its first step, complete by then (quantized, sharded, in huge pages).
+Per step, `__call__` returns the final norm's output, or None where the step is not for it (a
+prefill chunk in it, more rows than the few-row kernel takes, a layer hook set for this step, no kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.kernels import cpu_decode, cpu_ops
+from engine.quantize import Int8Linear, kernel_rows
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class DecodeLayers:
+    layers: nn.ModuleList  # (to see hooks set for one step)
+    norms: tuple[torch.Tensor, ...]  # per layer input and post-attention norm weights, then the final norm's
+    projections: tuple[torch.Tensor, ...]  # per layer qkv, o, gate_up, down
+    scales: tuple[torch.Tensor, ...]  # the int8 projections' scales, or none
+    kv_heads: torch.Tensor  # [Hq] the KV head of each query head
+    scale: float
+    heads: int
+    eps: float
+    max_rows: int  # the rows every projection takes through the few-row kernel
+
+    @classmethod
+    def of(cls, model) -> DecodeLayers | None:
+        """The one call's arguments for `model` (an engine.model.Transformer), or None where it does not fit."""
+        layers, norms, projections = model.layers, [], []
+        for layer in layers:
+            attn = layer.self_attn
+            if attn.q_norm is not None or attn.attend is not paged_attention or not hasattr(layer.mlp, "down_proj"):
+                return None  # q/k norms, context parallelism's attention, an MoE layer
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            projections += [layer.get_submodule(name) for name in PROJECTIONS]
+        norms.append(model.norm)
+        if any(m._forward_hooks or m._forward_pre_hooks for layer in layers for m in layer.modules()):
+            return None
+        int8 = all(isinstance(p, Int8Linear) for p in projections)
+        if not (int8 or all(isinstance(p, nn.Linear) for p in projections)) or any(p.bias is not None
+                                                                                   for p in projections):
+            return None
+        if len({n.eps for n in norms}) != 1:
+            return None
+        attn = layers[0].self_attn
+        kv_heads = attn.kv_head_map
+        if kv_heads is None:
+            kv_heads = cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads)
+        max_rows = kernel_rows(norms[0].weight.dtype) if int8 else min(getattr(p, "few_rows", 0) for p in projections)
+        return cls(layers=layers, norms=tuple(n.weight for n in norms),
+                   projections=tuple(p.weight for p in projections),
+                   scales=tuple(p.scale for p in projections) if int8 else (), kv_heads=kv_heads, scale=attn.scale,
+                   heads=attn.num_heads, eps=norms[0].eps, max_rows=max_rows)
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
+        rows = x.shape[0]
+        if not (meta.num_decode == rows <= self.max_rows) or meta.prefills or self.layers[0]._forward_hooks:
+            return None
+        if not cpu_ops.takes(x, self.norms[0], kv_cache[0][0]):
+            return None
+        return cpu_ops.ops().decode_layers(x, self.norms, self.projections, self.scales, [k for k, _ in kv_cache],
+                                           [v for _, v in kv_cache], rope[0], rope[1], meta.slot_mapping,
+                                           meta.decode_block_tables, meta.decode_context_lens, self.kv_heads,
+                                           self.scale, self.heads, self.eps)
