@@ -389,7 +389,7 @@ def check_few_row_linear(ops, dtype) -> None:
         assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
         assert all(torch.equal(ops.linear(x[:m], weight), full[:m]) for m in range(1, most))
 
-    for rows, k in [(300, 576), (33, 70), (7, 24)]:
+    for rows, k in [(300, 576), (320, 576), (33, 70), (7, 24)]:  # (320: whole 32-row tile pairs)
         wide = torch.randn(rows, k + 5, generator=g).to(dtype)
         for weight in (wide[:, :k].contiguous(), wide[:, :k]):
             x = torch.randn(most, k, generator=g).to(dtype)
