@@ -268,8 +268,8 @@ void parallel_for(int64_t n, const F& f) {
 enum class Bf16Path { fma, dot, amx };  // slowest to fastest
 Bf16Path bf16_path();
 
-// The ops that cpu_decode_layers.cpp chains in one call, callable without the dispatcher (each defined beside
-// its op, which it is).
+// The ops cpu_decode_layers.cpp chains in one call, called there without the dispatcher: each is its op's own
+// function, exported from the op's file.
 namespace direct {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
