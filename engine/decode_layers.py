@@ -6,11 +6,12 @@ by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the deco
 The C++ op chains the same kernels for every layer, so a step computes the same bits either way.
 
 `DecodeLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers without q/k
-norms or biases, paged attention not replaced (context parallelism) and no forward hooks (tensor
-parallelism's all-reduces), every projection bf16/fp16/fp32 (`Linear`) or int8 (`Int8Linear`), one norm
-epsilon. The model reads it at its first step, complete by then (quantized, sharded, in huge pages).
-Per step, `__call__` returns the final norm's output, or None where the step is not for it (a
-prefill chunk in it, more rows than the few-row kernel takes, a layer hook set for this step, no kernels).
+norms or biases, paged attention not replaced (context parallelism), plain GQA heads and no forward hooks
+(tensor parallelism's head maps and all-reduces), every projection bf16/fp16/fp32 (`Linear`) or int8
+(`Int8Linear`), one norm epsilon. The model reads it at its first step, complete by then (quantized,
+sharded, in huge pages). Per step, `__call__` returns the final norm's output, or None where the step
+is not for it (a prefill chunk in it, more rows than the few-row kernel takes, a layer hook set for this
+step, no kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class DecodeLayers:
     norms: tuple[torch.Tensor, ...]  # per layer input and post-attention norm weights, then the final norm's
     projections: tuple[torch.Tensor, ...]  # per layer qkv, o, gate_up, down
     scales: tuple[torch.Tensor, ...]  # the int8 projections' scales, or none
-    kv_heads: torch.Tensor  # [Hq] the KV head of each query head
+    kv_heads: torch.Tensor  # [Hq] the KV head of each query head: plain GQA
     scale: float
     heads: int
     eps: float
@@ -45,8 +46,9 @@ class DecodeLayers:
         layers, norms, projections = model.layers, [], []
         for layer in layers:
             attn = layer.self_attn
-            if attn.q_norm is not None or attn.attend is not paged_attention or not hasattr(layer.mlp, "down_proj"):
-                return None  # q/k norms, context parallelism's attention, an MoE layer
+            if attn.q_norm is not None or attn.attend is not paged_attention or attn.kv_head_map is not None \
+                    or not hasattr(layer.mlp, "down_proj"):
+                return None  # q/k norms, context parallelism's attention, tensor parallelism's heads, an MoE layer
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
             projections += [layer.get_submodule(name) for name in PROJECTIONS]
         norms.append(model.norm)
@@ -59,13 +61,11 @@ class DecodeLayers:
         if len({n.eps for n in norms}) != 1:
             return None
         attn = layers[0].self_attn
-        kv_heads = attn.kv_head_map
-        if kv_heads is None:
-            kv_heads = cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads)
         max_rows = kernel_rows(norms[0].weight.dtype) if int8 else min(getattr(p, "few_rows", 0) for p in projections)
         return cls(layers=layers, norms=tuple(n.weight for n in norms),
                    projections=tuple(p.weight for p in projections),
-                   scales=tuple(p.scale for p in projections) if int8 else (), kv_heads=kv_heads, scale=attn.scale,
+                   scales=tuple(p.scale for p in projections) if int8 else (), scale=attn.scale,
+                   kv_heads=cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads),
                    heads=attn.num_heads, eps=norms[0].eps, max_rows=max_rows)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

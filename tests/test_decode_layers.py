@@ -62,8 +62,9 @@ def test_models_it_does_not_fit_keep_the_layer_by_layer_path(arch, tiny_checkpoi
 
 
 def test_a_hook_a_bias_or_replaced_attention_keeps_the_layer_by_layer_path(tiny_checkpoint):
-    """Tensor parallelism's all-reduce hooks, a projection bias and context parallelism's attention are each
-    reasons to refuse; so, per step, a hook set on the layers for that step alone (a layer-by-layer push)."""
+    """Tensor parallelism's all-reduce hooks and head map, a projection bias and context parallelism's attention
+    are each reasons to refuse; so, per step, a hook set on the layers for that step alone (a layer-by-layer
+    push)."""
     from engine.model import Transformer
 
     folder, _ = tiny_checkpoint("llama")
@@ -82,6 +83,9 @@ def test_a_hook_a_bias_or_replaced_attention_keeps_the_layer_by_layer_path(tiny_
     attn.attend = lambda *args: None
     assert DecodeLayers.of(model) is None
     attn.attend = engine.decode_layers.paged_attention
+    attn.kv_head_map = torch.zeros(attn.num_heads, dtype=torch.long)
+    assert DecodeLayers.of(model) is None
+    attn.kv_head_map = None
     assert DecodeLayers.of(model) is not None
 
     from engine.attention import build_metadata
