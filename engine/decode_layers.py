@@ -5,13 +5,13 @@ SiLU, adds), each back through Python and torch's dispatcher, each with its code
 by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the decoder layers in one call").
 The C++ op chains the same kernels for every layer, so a step computes the same bits either way.
 
-`DecodeLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers without q/k
-norms or biases, paged attention not replaced (context parallelism), plain GQA heads and no forward hooks
-(tensor parallelism's head maps and all-reduces), every projection bf16/fp16/fp32 (`Linear`) or int8
-(`Int8Linear`), one norm epsilon. The model reads it at its first step, complete by then (quantized,
-sharded, in huge pages). Per step, `__call__` returns the final norm's output, or None where the step
-is not for it (a prefill chunk in it, more rows than the few-row kernel takes, a layer hook set for this
-step, no kernels).
+`DecodeLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers (with q/k
+norms in every layer or none) without biases, paged attention not replaced (context parallelism), plain
+GQA heads and no forward hooks (tensor parallelism's head maps and all-reduces), every projection
+bf16/fp16/fp32 (`Linear`) or int8 (`Int8Linear`), one norm epsilon. The model reads it at its first step,
+complete by then (quantized, sharded, in huge pages). Per step, `__call__` returns the final norm's output,
+or None where the step is not for it (a prefill chunk in it, more rows than the few-row kernel takes, a
+layer hook set for this step, no kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 class DecodeLayers:
     layers: nn.ModuleList  # (to see hooks set for one step)
     norms: tuple[torch.Tensor, ...]  # per layer input and post-attention norm weights, then the final norm's
+    qk_norms: tuple[torch.Tensor, ...]  # per layer q and k norm weights (qwen3), or none
     projections: tuple[torch.Tensor, ...]  # per layer qkv, o, gate_up, down
     scales: tuple[torch.Tensor, ...]  # the int8 projections' scales, or none
     kv_heads: torch.Tensor  # [Hq] the KV head of each query head: plain GQA
@@ -43,13 +44,14 @@ class DecodeLayers:
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
         """The one call's arguments for `model` (an engine.model.Transformer), or None where it does not fit."""
-        layers, norms, projections = model.layers, [], []
+        layers, norms, qk_norms, projections = model.layers, [], [], []
         for layer in layers:
             attn = layer.self_attn
-            if attn.q_norm is not None or attn.attend is not paged_attention or attn.kv_head_map is not None \
+            if attn.attend is not paged_attention or attn.kv_head_map is not None \
                     or not hasattr(layer.mlp, "down_proj"):
-                return None  # q/k norms, context parallelism's attention, tensor parallelism's heads, an MoE layer
+                return None  # context parallelism's attention, tensor parallelism's heads, an MoE layer
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            qk_norms += [attn.q_norm, attn.k_norm]
             projections += [layer.get_submodule(name) for name in PROJECTIONS]
         norms.append(model.norm)
         if any(m._forward_hooks or m._forward_pre_hooks for layer in layers for m in layer.modules()):
@@ -58,11 +60,15 @@ class DecodeLayers:
         if not (int8 or all(isinstance(p, nn.Linear) for p in projections)) or any(p.bias is not None
                                                                                    for p in projections):
             return None
-        if len({n.eps for n in norms}) != 1:
+        if any(n is None for n in qk_norms):  # q/k norms in every layer (qwen3) or in none
+            if not all(n is None for n in qk_norms):
+                return None
+            qk_norms = []
+        if len({n.eps for n in norms + qk_norms}) != 1:
             return None
         attn = layers[0].self_attn
         max_rows = kernel_rows(norms[0].weight.dtype) if int8 else min(getattr(p, "few_rows", 0) for p in projections)
-        return cls(layers=layers, norms=tuple(n.weight for n in norms),
+        return cls(layers=layers, norms=tuple(n.weight for n in norms), qk_norms=tuple(n.weight for n in qk_norms),
                    projections=tuple(p.weight for p in projections),
                    scales=tuple(p.scale for p in projections) if int8 else (), scale=attn.scale,
                    kv_heads=cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads),
@@ -75,7 +81,7 @@ class DecodeLayers:
             return None
         if not cpu_ops.takes(x, self.norms[0], kv_cache[0][0]):
             return None
-        return cpu_ops.ops().decode_layers(x, self.norms, self.projections, self.scales, [k for k, _ in kv_cache],
-                                           [v for _, v in kv_cache], rope[0], rope[1], meta.slot_mapping,
-                                           meta.decode_block_tables, meta.decode_context_lens, self.kv_heads,
-                                           self.scale, self.heads, self.eps)
+        return cpu_ops.ops().decode_layers(x, self.norms, self.qk_norms, self.projections, self.scales,
+                                           [k for k, _ in kv_cache], [v for _, v in kv_cache], rope[0], rope[1],
+                                           meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                           self.kv_heads, self.scale, self.heads, self.eps)

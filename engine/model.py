@@ -105,8 +105,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # contiguous heads: the C++ norm at any T (as engine/decode_layers.py)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rotate_(q, *rope), rotate_(k, *rope)
         out = self.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kv_head_map)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))

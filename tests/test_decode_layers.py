@@ -38,22 +38,24 @@ def run(folder, one_call: bool, monkeypatch, **options) -> tuple[list[torch.Tens
     return [torch.stack(captured[o.request_id]) for o in outs], calls
 
 
-@pytest.mark.parametrize("options", [dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="int8"),
-                                     dict(dtype="float32", batch_invariant=False), dict(dtype="float16")],
-                         ids=["bf16", "int8", "fp32 few-row", "fp16"])
-def test_decode_steps_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(options, tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("arch, options", [
+    ("llama", dict(dtype="bfloat16")), ("llama", dict(dtype="bfloat16", quantization="int8")),
+    ("llama", dict(dtype="float32", batch_invariant=False)), ("llama", dict(dtype="float16")),
+    ("qwen3", dict(dtype="bfloat16"))], ids=["bf16", "int8", "fp32 few-row", "fp16", "qwen3 q/k norms"])
+def test_decode_steps_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(arch, options, tiny_checkpoint,
+                                                                            monkeypatch):
     """Six prompts decoded together (steps of 1 to 6 decode rows, and steps mixing decode rows with prefill
     chunks, which stay layer by layer): every logit equal with and without the one call."""
-    folder, _ = tiny_checkpoint("llama")
+    folder, _ = tiny_checkpoint(arch)
     one_call, calls = run(folder, True, monkeypatch, **options)
     layer_by_layer, none = run(folder, False, monkeypatch, **options)
     assert any(calls) and not all(calls) and not none  # decode-only steps in one call, mixed steps not
     assert all(torch.equal(a, b) for a, b in zip(one_call, layer_by_layer))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_models_it_does_not_fit_keep_the_layer_by_layer_path(arch, tiny_checkpoint):
-    """q/k norms (qwen3) and MoE layers (mixtral) are not in the one call: the model says so once."""
+    """MoE layers are not in the one call: the model says so once."""
     folder, _ = tiny_checkpoint(arch)
     llm = LLM(str(folder), dtype="bfloat16")
     llm.generate([[5, 6, 7]], GREEDY)
@@ -103,13 +105,14 @@ def test_a_hook_a_bias_or_replaced_attention_keeps_the_layer_by_layer_path(tiny_
 
 
 def test_the_op_refuses_lists_that_do_not_fit_its_layers():
-    """Two layers need two v caches, five norm weights and eight projections (and as many scales or none)."""
+    """Two layers need two v caches, five norm weights, four q/k norms or none and eight projections (and as
+    many scales or none)."""
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
     cache = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)
     weights = [torch.ones(8, dtype=torch.bfloat16)] * 5
     projections = [torch.zeros(8, 8, dtype=torch.bfloat16)] * 7
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="2 layers need 2 v caches, 5 norms, 8 projections"):
-        cpu_ops.ops().decode_layers(x, weights, projections, [], [cache, cache], [cache, cache], x, x,
+    with pytest.raises(RuntimeError, match="2 layers need 2 v caches, 5 norms, 4 q/k norms or none, 8 projections"):
+        cpu_ops.ops().decode_layers(x, weights, [], projections, [], [cache, cache], [cache, cache], x, x,
                                     torch.zeros(1, dtype=torch.long), tables, lens, torch.zeros(1, dtype=torch.long),
                                     1.0, 1, 1e-5)
