@@ -60,10 +60,10 @@ class DecodeLayers:
         if not (int8 or all(isinstance(p, nn.Linear) for p in projections)) or any(p.bias is not None
                                                                                    for p in projections):
             return None
-        if any(n is None for n in qk_norms):  # q/k norms in every layer (qwen3) or in none
-            if not all(n is None for n in qk_norms):
-                return None
-            qk_norms = []
+        present = [n is not None for n in qk_norms]
+        if any(present) and not all(present):  # q/k norms in every layer (qwen3) or in none
+            return None
+        qk_norms = [n for n in qk_norms if n is not None]
         if len({n.eps for n in norms + qk_norms}) != 1:
             return None
         attn = layers[0].self_attn

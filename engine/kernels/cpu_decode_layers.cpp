@@ -1,8 +1,9 @@
 // A decode-only step's decoder layers in one call, for a dense model on CPU (engine/model.py, Transformer).
 //
-// infermesh_cpu::decode_layers(x [B, D], norms [2 L + 1], qk_norms [2 L] or [], projections [4 L], scales [4 L] or [],
-//                              k_caches [L], v_caches [L], cos, sin, slot_mapping, block_tables, context_lens,
-//                              kv_head, scale, Hq, eps) -> the final norm of the last layer's output [B, D]
+// infermesh_cpu::decode_layers(x [B, D], norms [2 L + 1], qk_norms [2 L] or [], projections [4 L],
+//                              scales [4 L] or [], k_caches [L], v_caches [L], cos, sin, slot_mapping,
+//                              block_tables, context_lens, kv_head, scale, Hq, eps)
+//     -> the final norm of the last layer's output [B, D]
 //
 // Each layer: h = rms_norm(x); qkv = linear(h), then (qwen3) each q and k head's row normed; attention as
 // decode_attention (RoPE, the cache write, paged attention); x, h = add_rms_norm(x, linear(attn)); y = silu(gate)
@@ -17,23 +18,23 @@
 
 #include "cpu_vec.h"
 
-#include <tuple>
-
 namespace {
 
 using namespace infermesh_cpu;
 
 at::Tensor decode_layers(at::Tensor x, at::TensorList norms, at::TensorList qk_norms, at::TensorList projections,
-                         at::TensorList scales, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
-                         const at::Tensor& kv_heads, double scale, int64_t heads, double eps) {
+                         at::TensorList scales, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& kv_heads, double scale,
+                         int64_t heads, double eps) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(v_caches.size() == k_caches.size() && norms.size() == 2 * layers + 1 &&
                   (qk_norms.empty() || qk_norms.size() == 2 * layers) && projections.size() == 4 * layers &&
                   (scales.empty() || scales.size() == projections.size()),
               "decode_layers: ", layers, " layers need ", layers, " v caches, ", 2 * layers + 1, " norms, ",
               2 * layers, " q/k norms or none, ", 4 * layers, " projections and as many scales or none; got ",
-              v_caches.size(), ", ", norms.size(), ", ", qk_norms.size(), ", ", projections.size(), ", ", scales.size());
+              v_caches.size(), ", ", norms.size(), ", ", qk_norms.size(), ", ", projections.size(), ", ",
+              scales.size());
   const auto project = [&](const at::Tensor& in, int64_t i) {
     return scales.empty() ? direct::linear(in, projections[i]) : direct::linear_int8(in, projections[i], scales[i]);
   };
@@ -42,11 +43,12 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList norms, at::TensorList qk_n
     const at::Tensor qkv = project(h, 4 * l);  // [B, (Hq + 2 Hkv) D]
     if (!qk_norms.empty()) {  // each q and k head's row normed in place, as engine/model.py's Attention does
       const int64_t dim = k_caches[l].size(3), q_width = heads * dim, k_width = k_caches[l].size(2) * dim;
-      for (const auto& [first, width, weight] : {std::tuple{int64_t{0}, q_width, &qk_norms[2 * l]},
-                                                 std::tuple{q_width, k_width, &qk_norms[2 * l + 1]}}) {
+      const auto norm_heads = [&](int64_t first, int64_t width, const at::Tensor& weight) {
         at::Tensor part = qkv.narrow(1, first, width);  // [B, H D]
-        part.copy_(direct::rms_norm(part.reshape({-1, dim}), *weight, eps).view(part.sizes()));
-      }
+        part.copy_(direct::rms_norm(part.reshape({-1, dim}), weight, eps).view(part.sizes()));
+      };
+      norm_heads(0, q_width, qk_norms[2 * l]);
+      norm_heads(q_width, k_width, qk_norms[2 * l + 1]);
     }
     const at::Tensor attn = direct::decode_attention(qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens,
                                                      kv_heads, scale, heads);  // [B, Hq * D]
@@ -63,8 +65,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList norms, at::TensorList qk_n
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] qk_norms, Tensor[] projections, Tensor[] scales, "
-        "Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, Tensor kv_head, float scale, int heads, float eps) -> Tensor",
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor kv_head, float scale, int heads, float eps) -> Tensor",
         &decode_layers);
 }
