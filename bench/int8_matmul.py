@@ -1,8 +1,9 @@
 """The projections of one SmolLM2 decode step (30 layers of qkv, o, gate_up, down, and the LM head; every
 weight a distinct tensor, so each is read from memory as in the model) by rows in the batch: bf16 weights
 (torch's `F.linear`, and infermesh's few-row kernel `linear`), int8 weights through infermesh's int8 kernel
-(`linear_int8`, up to `linear_int8_rows` rows: 64 on AVX512-BF16, else 16; what the engine runs), through
-torch's int8 kernel, and converted to bf16 per call (what the engine runs past the kernel's rows).
+(`linear_int8`, up to `linear_int8_rows` rows: 64 on AVX512-BF16, else 16; what the engine runs; and not
+batch-invariant, AMX tiles from 2 rows where the CPU has them), through torch's int8 kernel, and converted to bf16
+per call (what the engine runs past the kernel's rows).
 
     python bench/int8_matmul.py [--quick] [--rows 1 4 8 16 32]
 """
@@ -37,6 +38,8 @@ def step_ms(rows: int, kind: str, weights: list, runs: int = 6) -> float:
                 ops().linear(x, w16)
             elif kind == "int8, infermesh kernel":
                 ops().linear_int8(x, w8, scale)
+            elif kind == "int8, not batch-invariant":
+                ops().linear_int8(x, w8, scale, False)
             elif kind == "int8, torch kernel":
                 torch.ops.aten._weight_int8pack_mm(x, w8, scale)
             else:
@@ -60,9 +63,11 @@ def main() -> None:
         w = torch.randn(out, d)
         w8, scale = quantize_rows(w)
         weights.append((w.bfloat16(), w8, scale.bfloat16()))
-    kinds = ("bf16", "bf16, infermesh kernel", "int8, infermesh kernel", "int8, torch kernel", "int8 converted")
+    kinds = ("bf16", "bf16, infermesh kernel", "int8, infermesh kernel", "int8, not batch-invariant",
+             "int8, torch kernel", "int8 converted")
     kernel_rows = {"bf16, infermesh kernel": ops().linear_rows(torch.bfloat16),
-                   "int8, infermesh kernel": ops().linear_int8_rows(torch.bfloat16)}
+                   "int8, infermesh kernel": ops().linear_int8_rows(torch.bfloat16),
+                   "int8, not batch-invariant": ops().linear_int8_rows(torch.bfloat16)}
     print(f"\n{torch.get_num_threads()} threads, ms per step of {len(SHAPES)} projections\n")
     print("| rows | " + " | ".join(kinds) + " |\n" + "|---" * (len(kinds) + 1) + "|")
     for rows in rows_list:

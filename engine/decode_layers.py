@@ -40,6 +40,7 @@ class DecodeLayers:
     heads: int
     eps: float
     max_rows: int  # the rows every projection takes through the few-row kernel
+    batch_invariant: bool  # int8: as the projections take it (Int8Linear.batch_invariant)
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
@@ -72,7 +73,8 @@ class DecodeLayers:
                    projections=tuple(p.weight for p in projections),
                    scales=tuple(p.scale for p in projections) if int8 else (), scale=attn.scale,
                    kv_heads=cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads),
-                   heads=attn.num_heads, eps=norms[0].eps, max_rows=max_rows)
+                   heads=attn.num_heads, eps=norms[0].eps, max_rows=max_rows,
+                   batch_invariant=all(getattr(p, "batch_invariant", True) for p in projections))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
@@ -84,4 +86,4 @@ class DecodeLayers:
         return cpu_ops.ops().decode_layers(x, self.norms, self.qk_norms, self.projections, self.scales,
                                            [k for k, _ in kv_cache], [v for _, v in kv_cache], rope[0], rope[1],
                                            meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                           self.kv_heads, self.scale, self.heads, self.eps)
+                                           self.kv_heads, self.scale, self.heads, self.eps, self.batch_invariant)

@@ -11,11 +11,14 @@ keeps its rows' scales, a column-parallel shard takes its rows' scales along).
 Why: decode at small batch reads every weight once per token, so it is bound by memory bandwidth; int8
 halves the bytes of bf16. On CPU the int8 kernel (engine/kernels/cpu_linear.cpp, `linear_int8`: one
 summation order for any batch it takes) takes up to `kernel_rows(dtype)` rows: 64 of bf16 where the CPU has
-AVX512-BF16 (the weights converted to bf16 exactly and summed as bf16 weights are: within ~15 % of bf16
-weights from 4 rows up, faster below), 64 of bf16 elsewhere and 16 of float32 (float32 FMAs; torch's
-`_weight_int8pack_mm` where the kernels are not built). Larger batches (and other devices) convert the weight
-to the activations' dtype each call (to float32, for bf16 on a CPU without bf16 arithmetic: engine/bf16.py),
-which costs more than bf16 weights would.
+AVX512-BF16 (the weights converted to bf16 exactly and summed with VDPBF16PS: ~1.3x bf16 weights at one row
+on an AMX CPU, ~0.4x at 32, where bf16 takes AMX tiles), 64 of bf16 elsewhere and 16 of float32 (float32 FMAs;
+torch's `_weight_int8pack_mm` where the kernels are not built). An engine that is not batch-invariant
+(`Int8Linear.batch_invariant`) sends 2 to 64 rows of bf16 through AMX tiles where the CPU has them (the
+weights converted to bf16 a pass at a time, then summed as bf16 weights are): 1.6x at 8 rows, 2.2x at 32;
+one row stays on the dot path, ~30 % faster there; so a row alone gets other bits than in a batch. Larger
+batches (and other devices) convert the weight to the activations' dtype each call (to float32, for bf16 on a
+CPU without bf16 arithmetic: engine/bf16.py), which costs more than bf16 weights would.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """A bias-optional linear layer over an int8 weight [out, in] and a scale [out] in the model's dtype."""
+    """A bias-optional linear layer over an int8 weight [out, in] and a scale [out] in the model's dtype.
+    `batch_invariant` (set by engine/parallel/parallelize.py): False lets the CPU kernel take 2 rows and more
+    on AMX tiles, so a row's bits depend on whether it was alone (see the module's docstring)."""
+
+    batch_invariant = True
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,7 +79,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
         if x.device.type == "cpu" and x.shape[0] <= kernel_rows(x.dtype):
             if x.shape[0] and cpu_ops.takes(x, self.scale):  # (a step may sample no rows: [0, in])
-                out = cpu_ops.ops().linear_int8(x, self.weight, self.scale)
+                out = cpu_ops.ops().linear_int8(x, self.weight, self.scale, self.batch_invariant)
             else:
                 out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale.to(x.dtype))
         elif bf16.emulated(x):  # a bf16 GEMM in float32 (engine/bf16.py)

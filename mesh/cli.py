@@ -49,7 +49,8 @@ def generate(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster float32 CPU decode at 1-8 rows (engine/model.py, Linear)."),
+                                         help="Off: faster CPU decode in float32 at 1-8 rows (engine/model.py, "
+                                              "Linear) and of int8 weights at 2-64 rows on AMX (engine/quantize.py)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel ranks (local processes)."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks (MoE models; 1 or equal to --tp)."),
@@ -191,9 +192,9 @@ def up(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
     quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
-                                         help="Off: faster float32 CPU decode at 1-8 streams; a row's result "
-                                              "then depends on whether its batch has more than 8 (engine/model.py, "
-                                              "Linear)."),
+                                         help="Off: faster CPU decode in float32 at 1-8 streams and of int8 "
+                                              "weights at 2-64 on AMX; a row's result then depends on its batch "
+                                              "(engine/model.py, Linear; engine/quantize.py)."),
     max_num_batched_tokens: int = typer.Option(
         2048, help="Tokens an engine step takes (prompt chunks and decode rows): smaller chunks a long prompt's "
                    "prefill, so streams decoding beside it wait less per step, and it takes longer."),

@@ -80,7 +80,9 @@ class EngineSettings(RankedSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     quantization: str = "none"  # or int8: weight-only int8 projections (engine/quantize.py)
-    batch_invariant: bool = True  # false: faster CPU decode at 1-8 streams, rows not GEMM's (engine/model.py)
+    # false: faster fp32 CPU decode at 1-8 streams (rows not GEMM's; engine/model.py), int8 on AMX at 2-64 (a row
+    # alone not as in a batch; engine/quantize.py)
+    batch_invariant: bool = True
     experts: str = ""  # host:port of an expert instance to run the MoE experts on ("": on this instance's ranks)
     expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
 

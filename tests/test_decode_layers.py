@@ -40,8 +40,10 @@ def run(folder, one_call: bool, monkeypatch, **options) -> tuple[list[torch.Tens
 
 @pytest.mark.parametrize("arch, options", [
     ("llama", dict(dtype="bfloat16")), ("llama", dict(dtype="bfloat16", quantization="int8")),
+    ("llama", dict(dtype="bfloat16", quantization="int8", batch_invariant=False)),
     ("llama", dict(dtype="float32", batch_invariant=False)), ("llama", dict(dtype="float16")),
-    ("qwen3", dict(dtype="bfloat16"))], ids=["bf16", "int8", "fp32 few-row", "fp16", "qwen3 q/k norms"])
+    ("qwen3", dict(dtype="bfloat16"))],
+    ids=["bf16", "int8", "int8 not batch-invariant", "fp32 few-row", "fp16", "qwen3 q/k norms"])
 def test_decode_steps_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(arch, options, tiny_checkpoint,
                                                                             monkeypatch):
     """Six prompts decoded together (steps of 1 to 6 decode rows, and steps mixing decode rows with prefill
@@ -101,6 +103,20 @@ def test_a_hook_a_bias_or_replaced_attention_keeps_the_layer_by_layer_path(tiny_
     assert layers(x, rope, kv_cache, meta) is None
     for hook in hooks:
         hook.remove()
+    llm.close()
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_int8_projections_take_the_engines_batch_invariance_into_the_one_call(batch_invariant, tiny_checkpoint):
+    """Not batch-invariant, the int8 kernel may take AMX tiles from 2 rows (tests/test_kernels.py): the one call
+    passes each projection's setting on, so its steps compute what the layers' own calls would."""
+    from engine.quantize import Int8Linear
+
+    folder, _ = tiny_checkpoint("llama")
+    llm = LLM(str(folder), dtype="bfloat16", quantization="int8", batch_invariant=batch_invariant)
+    model = llm.engine.executor.model
+    assert {m.batch_invariant for m in model.modules() if isinstance(m, Int8Linear)} == {batch_invariant}
+    assert DecodeLayers.of(model).batch_invariant is batch_invariant
     llm.close()
 
 

@@ -462,29 +462,34 @@ def test_cpu_few_row_linear_kernel_refuses_what_it_does_not_take():
         ops.linear(torch.randn(2, 6), w.t())
 
 
-def check_int8_linear(ops, dtype) -> None:
+def check_int8_linear(ops, dtype, batch_invariant: bool = True) -> None:
     """int8 weights with one scale per row (engine/quantize.py): x [M, K] @ (w_int8 * scale).T for every M
     the kernel takes in `dtype` (linear_int8_rows), against float64 over whole steps and tails, each row's
-    result bit for bit the same in every batch and on one thread or two; refusals name the limit."""
+    result bit for bit the same in every batch (not `batch_invariant`: in every batch of 2 rows or more) and
+    on one thread or two; refusals name the limit."""
     from engine.quantize import quantize_rows
     g = torch.Generator().manual_seed(0)
     most = ops.linear_int8_rows(dtype)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    least = 1 if batch_invariant else 2  # the fewest rows of the batches that give a row the same bits
     for rows, k in [(300, 576), (33, 70), (7, 24)]:
         weight, scale = quantize_rows(torch.randn(rows, k, generator=g))
         scale = scale.to(dtype)
         x = torch.randn(most, k, generator=g).to(dtype)
-        full = ops.linear_int8(x, weight, scale)  # [most, rows]
+        full = ops.linear_int8(x, weight, scale, batch_invariant)  # [most, rows]
         want = (x.double() @ (weight.double() * scale.double()[:, None]).T).to(dtype)
         torch.testing.assert_close(full, want, rtol=rounding, atol=rounding * k**0.5)
+        torch.testing.assert_close(ops.linear_int8(x[:1], weight, scale, batch_invariant), want[:1], rtol=rounding,
+                                   atol=rounding * k**0.5)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            alone = [ops.linear_int8(x[i:i + 1], weight, scale) for i in range(most)]
+            alone = [ops.linear_int8(x[i:i + least], weight, scale, batch_invariant) for i in range(most - least + 1)]
         finally:
             torch.set_num_threads(threads)
-        assert all(torch.equal(alone[i][0], full[i]) for i in range(most))
-        assert all(torch.equal(ops.linear_int8(x[:m], weight, scale), full[:m]) for m in range(1, most))
+        assert all(torch.equal(alone[i][0], full[i]) for i in range(most - least + 1))
+        assert all(torch.equal(ops.linear_int8(x[:m], weight, scale, batch_invariant), full[:m])
+                   for m in range(least, most))
     w, s = quantize_rows(torch.randn(6, 8))
     with pytest.raises(RuntimeError, match=f"x must have 1 to {most} rows in .*, got {most + 1}"):
         ops.linear_int8(torch.randn(most + 1, 8).to(dtype), w, s.to(dtype))
@@ -503,15 +508,33 @@ def test_cpu_int8_linear_kernel_matches_float64_and_gives_a_row_the_same_result_
     check_int8_linear(ops, dtype)
 
 
-def test_int8_weights_capped_to_the_fma_path_hold_the_same_contract():
-    """INFERMESH_CPU_BF16=fma: bf16 activations take the float32-FMA int8 path (64 rows), as on a CPU without
-    AVX512-BF16."""
-    done = with_bf16_cap("fma", """
+def test_cpu_int8_linear_kernel_not_batch_invariant_holds_the_same_contract_but_for_a_row_alone():
+    """Not batch-invariant: on AMX tiles from 2 rows (one row stays on the dot path), else as batch-invariant.
+    On AMX, 2 rows and more with unit scales give what the bf16 kernel's tiles give the same weights as bf16."""
+    ops = cpu_ops.ops()
+    check_int8_linear(ops, torch.bfloat16, batch_invariant=False)
+    if ops.linear_path(torch.bfloat16) == "amx":
+        from engine.quantize import quantize_rows
+        g = torch.Generator().manual_seed(1)
+        for rows, k in [(300, 576), (33, 70)]:
+            weight, _ = quantize_rows(torch.randn(rows, k, generator=g))
+            x = torch.randn(64, k, generator=g).bfloat16()
+            ones = torch.ones(rows, dtype=torch.bfloat16)
+            assert all(torch.equal(ops.linear_int8(x[:m], weight, ones, False), ops.linear(x[:m], weight.bfloat16()))
+                       for m in (2, 3, 17, 64))
+
+
+@pytest.mark.parametrize("cap", ["dot", "fma"])
+def test_int8_weights_capped_to_a_slower_path_hold_the_same_contract(cap):
+    """INFERMESH_CPU_BF16=dot|fma: bf16 activations take the AVX512-BF16 dot path or the float32-FMA int8 path
+    (64 rows either way), as on a CPU without AMX or without AVX512-BF16, batch-invariant or not."""
+    done = with_bf16_cap(cap, """
 import torch
 from engine.kernels import cpu_ops
 from tests.test_kernels import check_int8_linear
 assert cpu_ops.ops().linear_int8_rows(torch.bfloat16) == 64
 check_int8_linear(cpu_ops.ops(), torch.bfloat16)
+check_int8_linear(cpu_ops.ops(), torch.bfloat16, batch_invariant=False)
 """)
     assert done.returncode == 0, done.stderr[-2000:]
 

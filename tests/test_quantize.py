@@ -44,14 +44,16 @@ def test_rows_round_to_int8_within_half_a_step():
     assert bool(((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-12).all())
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "not batch-invariant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_both_matmul_paths_compute_the_dequantized_linear(dtype):
+def test_both_matmul_paths_compute_the_dequantized_linear(dtype, batch_invariant):
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=True).to(dtype)
     layer = Int8Linear.from_linear(linear)
+    layer.batch_invariant = batch_invariant  # not: bf16 from 2 rows on AMX tiles, where the CPU has them
     reference = nn.functional.linear  # with the dequantized weight, in float32
     most = kernel_rows(dtype)
-    for rows in (1, most, most + 1):  # the int8 kernel, then the converted weight
+    for rows in (1, 2, most, most + 1):  # the int8 kernel, then the converted weight
         x = torch.randn(rows, 96).to(dtype)
         expected = reference(x.float(), layer.dequantized(), linear.bias.float())
         tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)

@@ -3,12 +3,13 @@
 // infermesh_cpu::linear(x [M, K], weight [N, K]) -> [M, N] = x @ weight.T, in x's dtype, for
 // 1 <= M <= linear_rows(dtype): 64, but 8 in float32 (on the fma path MKL's GEMM is faster past ~16)
 // (linear_path(dtype) names the path: amx, dot or fma; INFERMESH_CPU_BF16=dot|fma caps it); and
-// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale for
-// 1 <= M <= linear_int8_rows(dtype) (engine/quantize.py): 64, but 16 with float32 x on the fma path.
+// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N], batch_invariant=True) -> [M, N] =
+// (x @ weight.T) * scale for 1 <= M <= linear_int8_rows(dtype) (engine/quantize.py): 64, but 16 with float32 x on
+// the fma path.
 //
 // Every output is summed in one order whatever M and the thread count, so a row of x gets the same result
-// bit for bit in any batch the kernel takes. (Not the same as torch's GEMM, whose order is its own, nor the
-// same from one path to another.)
+// bit for bit in any batch the kernel takes (linear_int8 not batch_invariant: in any batch of 2 rows or more).
+// (Not the same as torch's GEMM, whose order is its own, nor the same from one path to another.)
 //
 // amx (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight) times
 // 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles over
@@ -338,9 +339,36 @@ at::Tensor linear_amx_row(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
+// 32 weight rows from `w` (`rows` of them real) as bf16 in `block` [32][padded_k]: int8 converted exactly
+// (|w| <= 127: 7 bits), zeros past the last row and past k.
+void convert_rows(const int8_t* w, int64_t stride, int64_t rows, int64_t k, int64_t padded_k, bf16* block) {
+  for (int64_t r = 0; r < 32; ++r) {
+    bf16* out = block + r * padded_k;
+    if (r >= rows) {
+      std::memset(out, 0, padded_k * sizeof(bf16));
+      continue;
+    }
+    const int8_t* row = w + r * stride;
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + c + 32 * stride), _MM_HINT_T1);  // the next pass's row
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          row + c))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          row + c + 16))));
+      _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    for (; c < padded_k; ++c) out[c] = c < k ? static_cast<bf16>(static_cast<float>(row[c])) : bf16(0.f);
+  }
+}
+
+// W: bf16 weights (read in place), or int8 ones with one scale a row (`scale`), each pass's 32 rows converted
+// to bf16 first (convert_rows) and then summed as bf16 weights are, times the rows' scales.
+template <typename W>
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float* scale = nullptr) {
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
-  if (m == 1 && n % 32 == 0 && k % 32 == 0) return linear_amx_row(x, weight);
+  constexpr bool int8 = std::is_same_v<W, int8_t>;
+  if (!int8 && m == 1 && n % 32 == 0 && k % 32 == 0) return linear_amx_row(x, weight);
   const int64_t padded_k = (k + 31) / 32 * 32;
   const int64_t width = std::min<int64_t>(m, 16), x_tiles = (m + width - 1) / width;  // x rows per tile, tiles
   const int64_t x_tile = padded_k * width;                                             // bf16 per x tile
@@ -356,7 +384,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
     if (k % 2) dst[(k - 1) * width] = src[k - 1];
   }
   at::Tensor out = at::empty({m, n}, x.options());
-  const bf16* w = weight.data_ptr<bf16>();
+  const W* w = weight.data_ptr<W>();
   bf16* y = out.data_ptr<bf16>();
   const int64_t blocks = (n + 15) / 16;
   parallel_for((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
@@ -365,17 +393,29 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
     _tile_loadconfig(&config);
     alignas(64) float sums[1024];
     alignas(64) bf16 pad[1024];
+    // int8: this pass's weight rows as bf16 (64-byte aligned, as the tile rows read best)
+    const at::Tensor converted = at::empty({int8 ? 32 * padded_k : 0}, x.options());
+    const int64_t whole[2] = {16, 16};
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = 2 * pair, wb = b + 1 < blocks ? 2 : 1;
       const int64_t rows[2] = {std::min<int64_t>(16, n - 16 * b), std::min<int64_t>(16, n - 16 * b - 16)};
-      const bf16* wp = w + 16 * b * stride;
+      const bf16* wp;
+      int64_t w_stride, w_k;  // the tiles' weight rows, their stride and length
+      if constexpr (int8) {
+        bf16* rows_bf16 = converted.data_ptr<bf16>();
+        convert_rows(w + 16 * b * stride, stride, std::min<int64_t>(32, n - 16 * b), k, padded_k, rows_bf16);
+        wp = rows_bf16, w_stride = w_k = padded_k;
+      } else {
+        wp = w + 16 * b * stride, w_stride = stride, w_k = k;
+      }
+      const int64_t* tile_rows = int8 ? whole : rows;  // (the converted rows are zero-padded to whole tiles)
       for (int64_t t = 0; t < x_tiles; t += 2) {
         const int64_t xb = t + 1 < x_tiles ? 2 : 1;
         const bf16* xt = xs + t * x_tile;
-        if (wb == 2 && xb == 2) tile_sums<2, 2>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
-        else if (wb == 2) tile_sums<2, 1>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
-        else if (xb == 2) tile_sums<1, 2>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
-        else tile_sums<1, 1>(wp, stride, rows, k, xt, width * 4, x_tile, sums, pad);
+        if (wb == 2 && xb == 2) tile_sums<2, 2>(wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad);
+        else if (wb == 2) tile_sums<2, 1>(wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad);
+        else if (xb == 2) tile_sums<1, 2>(wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad);
+        else tile_sums<1, 1>(wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad);
         for (int64_t i = 0; i < wb; ++i)
           for (int64_t j = 0; j < xb; ++j) {
             const float* s = sums + (2 * i + j) * 256;  // [weight row][x row], rows 64 bytes apart
@@ -384,6 +424,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight) {
               bf16* y_row = y + r * n + 16 * (b + i);
               f32x16 v;
               for (int l = 0; l < 16; ++l) v[l] = s[l * 16 + r - first];
+              if (int8)  // each weight row's sum times its scale, then rounded once
+                for (int64_t l = 0; l < rows[i]; ++l) v[l] *= scale[16 * (b + i) + l];
               if (rows[i] == 16) store(y_row, v);
               else for (int64_t l = 0; l < rows[i]; ++l) y_row[l] = static_cast<bf16>(v[l]);
             }
@@ -599,7 +641,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
               x.size(0));
 #ifdef INFERMESH_AMX
-  if (linear_path_of(x.scalar_type()) == Bf16Path::amx) return linear_amx(x, weight);
+  if (linear_path_of(x.scalar_type()) == Bf16Path::amx) return linear_amx<bf16>(x, weight);
 #endif
 #ifdef INFERMESH_BF16_DOT
   if (linear_path_of(x.scalar_type()) == Bf16Path::dot) return linear_dot(x, weight);
@@ -635,13 +677,15 @@ int64_t linear_int8_rows(c10::ScalarType dtype) {
   return int8_dot(dtype) || dtype != at::kFloat ? WIDE_ROWS : INT8_ROWS;
 }
 
-// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N]) -> [M, N] = (x @ weight.T) * scale,
-// in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot (up to 64 rows): the weights converted to bf16 exactly
-// and summed as bf16 weights are (linear_int8_dot). fma (up to 16): each thread streams its weight rows once
-// (twice past 8 rows, the second time from cache), int8 converted to float32 in registers. Either way every
-// output is summed in one order whatever M and the threads (then scaled once): a row gets the same bits in any
-// batch the path takes.
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+// infermesh_cpu::linear_int8(x [M, K], weight int8 [N, K], scale [N], batch_invariant) -> [M, N] =
+// (x @ weight.T) * scale, in x's dtype, 1 <= M <= linear_int8_rows(dtype). dot (up to 64 rows): the weights
+// converted to bf16 exactly and summed as bf16 weights are (linear_int8_dot). fma (up to 16): each thread
+// streams its weight rows once (twice past 8 rows, the second time from cache), int8 converted to float32 in
+// registers. Either way every output is summed in one order whatever M and the threads (then scaled once): a
+// row gets the same bits in any batch the path takes. Not `batch_invariant`, on AMX: 2 rows and more on AMX
+// tiles (each pass's weight rows converted to bf16, then linear_amx's tiles), 2.3x the dot path at 32 rows
+// but ~30 % slower at one, which stays on the dot path; so a row's bits depend on whether it was alone.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool batch_invariant) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.stride(1) == 1 &&
                   weight.stride(0) >= weight.size(1),
               "weight must be int8 [N, K] with rows of unit stride, got ", weight.scalar_type(), " ", weight.sizes(),
@@ -652,6 +696,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t rows = linear_int8_rows(x.scalar_type());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= rows, "x must have 1 to ", rows, " rows in ", x.scalar_type(), ", got ",
               x.size(0));
+#ifdef INFERMESH_AMX
+  if (!batch_invariant && x.size(0) > 1 && linear_path_of(x.scalar_type()) == Bf16Path::amx) {
+    const at::Tensor sf = scale.to(at::kFloat).contiguous();
+    return linear_amx<int8_t>(x, weight, sf.data_ptr<float>());
+  }
+#endif
 #ifdef INFERMESH_BF16_DOT
   if (int8_dot(x.scalar_type())) return linear_int8_dot(x, weight, scale);
 #endif
@@ -693,8 +743,8 @@ Bf16Path bf16_path() {
 
 namespace infermesh_cpu::direct {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) { return ::linear(x, weight); }
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  return ::linear_int8(x, weight, scale);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool batch_invariant) {
+  return ::linear_int8(x, weight, scale, batch_invariant);
 }
 }  // namespace infermesh_cpu::direct
 
@@ -702,6 +752,6 @@ TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("linear(Tensor x, Tensor weight) -> Tensor", &linear);
   m.def("linear_rows(ScalarType dtype) -> int", &linear_rows);
   m.def("linear_path(ScalarType dtype) -> str", &linear_path);
-  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor", &linear_int8);
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scale, bool batch_invariant=True) -> Tensor", &linear_int8);
   m.def("linear_int8_rows(ScalarType dtype) -> int", &linear_int8_rows);
 }

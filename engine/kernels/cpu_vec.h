@@ -272,7 +272,7 @@ Bf16Path bf16_path();
 // function, exported from the op's file.
 namespace direct {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool batch_invariant);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps);

@@ -15,7 +15,7 @@ from engine.parallel.cp_runner import ContextParallelRunner
 from engine.parallel.ep import shard_for_ep
 from engine.parallel.expert_attach import attach_experts
 from engine.parallel.tp import shard_for_tp
-from engine.quantize import quantize_int8
+from engine.quantize import Int8Linear, quantize_int8
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint, WeightsError
 
@@ -57,6 +57,8 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
         rows = few_rows(dtype, batch_invariant)
         for linear in (m for m in model.modules() if isinstance(m, Linear)):
             linear.few_rows = rows
+        for linear in (m for m in model.modules() if isinstance(m, Int8Linear)):
+            linear.batch_invariant = batch_invariant
         if rows or quantization == "int8":
             # the few-row and int8 kernels read faster from huge pages; torch's bf16 `mv` does not (bench/
             # RESULTS.md, "huge pages", "projections on AMX tiles"), and a start pays 1-2.5 s more for them
