@@ -1,5 +1,5 @@
-"""Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 without batch invariance, bf16 with int8 weights)
-next to transformers, same run.
+"""Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 without batch invariance, bf16 with int8 weights,
+with and without batch invariance) next to transformers, same run.
 
     python bench/engine.py [--quick] [--out bench/RESULTS.md]
 
@@ -87,6 +87,8 @@ def main() -> None:
     runs = [("infermesh", "float32", infermesh_rates, {}), ("infermesh", "bfloat16", infermesh_rates, {}),
             ("infermesh", "bfloat16, not batch-invariant", infermesh_rates, {"batch_invariant": False}),
             ("infermesh", "bfloat16, int8 weights", infermesh_rates, {"quantization": "int8"}),
+            ("infermesh", "bfloat16, int8 weights, not batch-invariant", infermesh_rates,
+             {"quantization": "int8", "batch_invariant": False}),
             ("transformers", "float32", transformers_rates, {}), ("transformers", "bfloat16", transformers_rates, {})]
     for name, label, fn, options in runs:
         r = fn(label.split(",")[0], batches, steps, prefill, **options)
