@@ -261,8 +261,9 @@ class RouterCore:
         """One try on the chosen instances: the decode instance's responses. After a migration (`resume`:
         the tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
         metadata = outgoing_metadata()
-        decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address))
         reserved = chosen.prefill is not None and not resume
+        # (unary calls to decode only for a reservation: the request itself goes on the shared stream)
+        decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address)) if reserved else None
         local = internal_pb2.DecodeRequest(request_id=rid, prefill_locally=True, prompt_token_ids=ids,
                                            sampling=sampling, resume_token_ids=resume)
 

@@ -28,6 +28,7 @@ from mesh.rpc import ChannelPool
 from protos.infermesh.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+DEADLINE = object()  # queued for a call whose deadline passed
 
 
 class StreamError(grpc.RpcError):
@@ -49,7 +50,8 @@ class DecodeCall:
 
     def __init__(self, stream: "_Stream", request_id: str, events: asyncio.Queue, timeout: float) -> None:
         self._stream, self._request_id, self._events = stream, request_id, events
-        self._deadline = asyncio.get_running_loop().time() + timeout
+        # one timer for the call, not one a token: at the deadline it queues DEADLINE behind what has come
+        self._deadline = asyncio.get_running_loop().call_later(timeout, events.put_nowait, DEADLINE)
         self._ended = False  # decode ended the request (its final response, or a failure) or the stream broke
         self._closed = False
 
@@ -72,14 +74,13 @@ class DecodeCall:
         """Done with the call (again: nothing): cancelled on decode unless decode ended it."""
         if not self._closed:
             self._closed = True
+            self._deadline.cancel()
             self._stream.release(self._request_id, cancel=not self._ended)
 
     async def _next_event(self) -> internal_pb2.StreamEvent:
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                event = await self._events.get()
-        except TimeoutError:
-            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        event = await self._events.get()
+        if event is DEADLINE:
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if isinstance(event, grpc.RpcError):  # the stream broke: the request ended with it
             self._ended = True
             raise event
