@@ -424,7 +424,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
               bf16* y_row = y + r * n + 16 * (b + i);
               f32x16 v;
               for (int l = 0; l < 16; ++l) v[l] = s[l * 16 + r - first];
-              if (int8)  // each weight row's sum times its scale, then rounded once
+              if constexpr (int8)  // each weight row's sum times its scale, then rounded once
                 for (int64_t l = 0; l < rows[i]; ++l) v[l] *= scale[16 * (b + i) + l];
               if (rows[i] == 16) store(y_row, v);
               else for (int64_t l = 0; l < rows[i]; ++l) y_row[l] = static_cast<bf16>(v[l]);
@@ -683,8 +683,9 @@ int64_t linear_int8_rows(c10::ScalarType dtype) {
 // streams its weight rows once (twice past 8 rows, the second time from cache), int8 converted to float32 in
 // registers. Either way every output is summed in one order whatever M and the threads (then scaled once): a
 // row gets the same bits in any batch the path takes. Not `batch_invariant`, on AMX: 2 rows and more on AMX
-// tiles (each pass's weight rows converted to bf16, then linear_amx's tiles), 2.3x the dot path at 32 rows
-// but ~30 % slower at one, which stays on the dot path; so a row's bits depend on whether it was alone.
+// tiles (each pass's weight rows converted to bf16, then linear_amx's tiles), ~2.9x the dot path at 32 rows
+// but ~30 % slower at one, which stays on the dot path (bench/RESULTS.md, "int8 weights on AMX tiles"); so a
+// row's bits depend on whether it was alone.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool batch_invariant) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.stride(1) == 1 &&
                   weight.stride(0) >= weight.size(1),
