@@ -2,8 +2,8 @@
 
 The architectures differ only in a few switches read from `ModelConfig`: q/k
 RMSNorm (qwen3), and a dense SwiGLU MLP or a `SparseMoE` per layer. Projections are
-fused (qkv, gate_up) when weights load: fewer, larger matmuls. On CPU a decode-only step
-runs its layers in one C++ call where they fit it (engine/decode_layers.py: the same bits).
+fused (qkv, gate_up) when weights load: fewer, larger matmuls. On CPU a step of a few rows
+runs its layers in one C++ call where they fit it (engine/step_layers.py: the same bits).
 The model never imports torch.distributed; parallelism is applied from outside.
 
 `forward(token_ids [T], positions [T], kv_cache, meta) -> hidden [T, D]`;
@@ -19,9 +19,9 @@ from torch import nn
 from engine import bf16
 from engine.attention import AttentionMetadata, RotaryEmbedding, fused_decode, paged_attention, rotate_
 from engine.config import ModelConfig
-from engine.decode_layers import DecodeLayers
 from engine.kernels import cpu_ops
 from engine.moe import SparseMoE
+from engine.step_layers import StepLayers
 
 
 class RMSNorm(nn.Module):
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # contiguous heads: the C++ norm at any T (as engine/decode_layers.py)
+        if self.q_norm is not None:  # contiguous heads: the C++ norm at any T (as engine/step_layers.py)
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rotate_(q, *rope), rotate_(k, *rope)
         out = self.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kv_head_map)  # [T, Hq, D]
@@ -150,14 +150,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # shares embed's weight when tied
-        self._decode_layers: DecodeLayers | bool | None = None  # decode steps' layers in one call: read on first use
+        self._step_layers: StepLayers | bool | None = None  # a step's layers in one call: read on first use
 
     def forward(self, token_ids, positions, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(token_ids)  # [T, D]
         rope = self.rope.tables(positions, x.dtype)
-        if self._decode_layers is None:
-            self._decode_layers = DecodeLayers.of(self) or False
-        if self._decode_layers and (out := self._decode_layers(x, rope, kv_cache, meta)) is not None:
+        if self._step_layers is None:
+            self._step_layers = StepLayers.of(self) or False
+        if self._step_layers and (out := self._step_layers(x, rope, kv_cache, meta)) is not None:
             return out
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, rope, layer_cache, meta)

@@ -275,16 +275,16 @@ def test_a_decode_steps_fused_attention_is_rope_the_cache_write_and_paged_decode
 
 
 def test_the_engine_decodes_through_the_fused_attention_as_through_the_unfused_path(tiny_checkpoint, monkeypatch):
-    """Decode-only steps take `fused_decode` (layer by layer: the one-call layers, engine/decode_layers.py, off);
+    """Decode-only steps take `fused_decode` (layer by layer: the one-call layers, engine/step_layers.py, off);
     the same requests with it switched off give the same logits bit for bit (mixed steps, prefill chunks with
     decode rows, take the unfused path either way)."""
     import engine.model
     from engine import LLM, SamplingParams
-    from engine.decode_layers import DecodeLayers
+    from engine.step_layers import StepLayers
     from tests.test_parity_tiny import capture_logits, prompts
 
     folder, _ = tiny_checkpoint("llama")
-    monkeypatch.setattr(DecodeLayers, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(StepLayers, "of", classmethod(lambda cls, model: None))
     fused, calls = engine.model.fused_decode, []
 
     def counting(*args, **kwargs):

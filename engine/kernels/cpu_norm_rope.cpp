@@ -133,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 double eps) {
   return ::add_rms_norm(x, delta, weight, eps);
 }
+at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) { return ::rope_(x, cos, sin); }
 }  // namespace infermesh_cpu::direct
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {

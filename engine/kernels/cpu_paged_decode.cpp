@@ -467,6 +467,10 @@ at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Ten
                             const at::Tensor& lens, const at::Tensor& kv_heads, double scale, int64_t heads) {
   return ::decode_attention(qkv, cos, sin, k_cache, v_cache, slots, tables, lens, kv_heads, scale, heads);
 }
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& kv_heads, double scale) {
+  return ::paged_decode(q, k_cache, v_cache, tables, lens, kv_heads, scale);
+}
 }  // namespace infermesh_cpu::direct
 
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {

@@ -26,7 +26,12 @@ def takes(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the engine attends these inputs with the kernel: bf16 where the CPU has its dot products (there
     2.3x torch's SDPA at 2,048 tokens, bench/RESULTS.md); elsewhere torch's SDPA, not slower (float32: 39.5
     against the kernel's 48 ms; AMX CPUs, where torch's own kernel takes AMX tiles: not measured)."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] in HEAD_DIMS and cpu_ops.takes(q, k) and _bf16_dot()
+    return takes_heads(q.dtype, q.shape[-1]) and cpu_ops.takes(q, k)
+
+
+def takes_heads(dtype: torch.dtype, head_dim: int) -> bool:
+    """`takes` for heads of this dtype and size (on CPU, with the kernels built)."""
+    return dtype == torch.bfloat16 and head_dim in HEAD_DIMS and cpu_ops.available() and _bf16_dot()
 
 
 @functools.cache

@@ -420,6 +420,13 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const 
 
 }  // namespace
 
+namespace infermesh_cpu::direct {
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& kv_head, double scale, bool causal) {
+  return ::prefill_attention(q, k, v, kv_head, scale, causal);
+}
+}  // namespace infermesh_cpu::direct
+
 TORCH_LIBRARY_FRAGMENT(infermesh_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor kv_head, float scale, bool causal) -> "
         "(Tensor, Tensor)", &prefill_attention);

@@ -268,7 +268,7 @@ void parallel_for(int64_t n, const F& f) {
 enum class Bf16Path { fma, dot, amx };  // slowest to fastest
 Bf16Path bf16_path();
 
-// The ops cpu_decode_layers.cpp chains in one call, called there without the dispatcher: each is its op's own
+// The ops cpu_step_layers.cpp chains in one call, called there without the dispatcher: each is its op's own
 // function, exported from the op's file.
 namespace direct {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
@@ -279,6 +279,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor decode_attention(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables,
                             const at::Tensor& lens, const at::Tensor& kv_heads, double scale, int64_t heads);
+at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& kv_heads, double scale);
+std::tuple<at::Tensor, at::Tensor> prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& kv_head, double scale, bool causal);
 }  // namespace direct
 
 }  // namespace infermesh_cpu

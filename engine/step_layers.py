@@ -1,17 +1,18 @@
-"""A decode-only step's decoder layers in one C++ call on CPU (engine/kernels/cpu_decode_layers.cpp).
+"""A step's decoder layers in one C++ call on CPU (engine/kernels/cpu_step_layers.cpp).
 
 Between its projections a batch-1 decode step on SmolLM2 makes ~10 small calls a layer (norms, attention,
 SiLU, adds), each back through Python and torch's dispatcher, each with its code and data evicted from cache
-by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the decoder layers in one call").
-The C++ op chains the same kernels for every layer, so a step computes the same bits either way.
+by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the decoder layers in one call"); a
+short prompt's prefill chunk ~15 a layer. The C++ op chains the same kernels for every layer (and torch's
+SDPA for a chunk where the model's layers call it), so a step computes the same bits either way.
 
-`DecodeLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers (with q/k
+`StepLayers.of(model)` says once whether a model's layers can take it: dense SwiGLU layers (with q/k
 norms in every layer or none) without biases, paged attention not replaced (context parallelism), plain
 GQA heads and no forward hooks (tensor parallelism's head maps and all-reduces), every projection
 bf16/fp16/fp32 (`Linear`) or int8 (`Int8Linear`), one norm epsilon. The model reads it at its first step,
-complete by then (quantized, sharded, in huge pages). Per step, `__call__` returns the final norm's output,
-or None where the step is not for it (a prefill chunk in it, more rows than the few-row kernel takes, a
-layer hook set for this step, no kernels).
+complete by then (quantized, sharded, in huge pages). Per step (decode rows, prefill chunks or both),
+`__call__` returns the final norm's output, or None where the step is not for it (more rows than the few-row
+kernel takes, a layer hook set for this step, no kernels).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.kernels import cpu_decode, cpu_ops
+from engine.kernels import cpu_decode, cpu_ops, cpu_prefill
 from engine.quantize import Int8Linear, kernel_rows
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
-class DecodeLayers:
+class StepLayers:
     layers: nn.ModuleList  # (to see hooks set for one step)
     norms: tuple[torch.Tensor, ...]  # per layer input and post-attention norm weights, then the final norm's
     qk_norms: tuple[torch.Tensor, ...]  # per layer q and k norm weights (qwen3), or none
@@ -41,9 +42,10 @@ class DecodeLayers:
     eps: float
     max_rows: int  # the rows every projection takes through the few-row kernel
     batch_invariant: bool  # int8: as the projections take it (Int8Linear.batch_invariant)
+    prefill_kernel: bool  # prefill chunks attend with cpu_prefill's kernel (else torch's SDPA), as paged_attention
 
     @classmethod
-    def of(cls, model) -> DecodeLayers | None:
+    def of(cls, model) -> StepLayers | None:
         """The one call's arguments for `model` (an engine.model.Transformer), or None where it does not fit."""
         layers, norms, qk_norms, projections = model.layers, [], [], []
         for layer in layers:
@@ -74,16 +76,19 @@ class DecodeLayers:
                    scales=tuple(p.scale for p in projections) if int8 else (), scale=attn.scale,
                    kv_heads=cpu_decode.gqa_heads(attn.num_heads, attn.num_kv_heads),
                    heads=attn.num_heads, eps=norms[0].eps, max_rows=max_rows,
-                   batch_invariant=all(getattr(p, "batch_invariant", True) for p in projections))
+                   batch_invariant=all(getattr(p, "batch_invariant", True) for p in projections),
+                   prefill_kernel=cpu_prefill.takes_heads(norms[0].weight.dtype, attn.head_dim))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
-        rows = x.shape[0]
-        if not (meta.num_decode == rows <= self.max_rows) or meta.prefills or self.layers[0]._forward_hooks:
+        if x.shape[0] > self.max_rows or self.layers[0]._forward_hooks:
             return None
         if not cpu_ops.takes(x, self.norms[0], kv_cache[0][0]):
             return None
-        return cpu_ops.ops().decode_layers(x, self.norms, self.qk_norms, self.projections, self.scales,
-                                           [k for k, _ in kv_cache], [v for _, v in kv_cache], rope[0], rope[1],
-                                           meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                                           self.kv_heads, self.scale, self.heads, self.eps, self.batch_invariant)
+        spans = [n for s in meta.prefills for n in (s.start, s.num_tokens, s.context_len)]
+        return cpu_ops.ops().step_layers(x, self.norms, self.qk_norms, self.projections, self.scales,
+                                         [k for k, _ in kv_cache], [v for _, v in kv_cache], rope[0], rope[1],
+                                         meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                         self.kv_heads, self.scale, self.heads, self.eps, self.batch_invariant,
+                                         spans, [s.block_table for s in meta.prefills],
+                                         [s.mask for s in meta.prefills], self.prefill_kernel)
