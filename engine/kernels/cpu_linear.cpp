@@ -415,7 +415,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
   const W* w = weight.data_ptr<W>();
   bf16* y = out.data_ptr<bf16>();
   const int64_t blocks = (n + 15) / 16;
-  const int64_t ahead_lines = (stride + (k + 31) / 32 - 1) / ((k + 31) / 32);  // a pair's stride lines, a share a step
+  // a pair of weight blocks (32 rows x stride x 2 bytes) is `stride` cache lines: a share of them each 32-k step
+  const int64_t ahead_lines = (stride + (k + 31) / 32 - 1) / ((k + 31) / 32);
   parallel_for((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
     TileConfig config;
     for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.row_bytes[t] = t == 4 || t == 5 ? 64 : width * 4;
