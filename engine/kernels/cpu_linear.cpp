@@ -388,8 +388,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
   at::Tensor xs_t = at::empty({x_tiles * x_tile}, x.options());
   bf16* xs = xs_t.data_ptr<bf16>();
   if (k % 32)
-    for (int64_t t = 0, whole = k / 2 * width * 2; t < x_tiles; ++t)  // from the pair k / 2 on
-      std::memset(xs + t * x_tile + whole, 0, (x_tile - whole) * sizeof(bf16));
+    for (int64_t t = 0, pad_from = k / 2 * width * 2; t < x_tiles; ++t)  // from the pair k / 2 on
+      std::memset(xs + t * x_tile + pad_from, 0, (x_tile - pad_from) * sizeof(bf16));
   const at::Tensor xc = x.contiguous();
   int64_t r = 0;
   if (k % 2 == 0) {  // whole tiles: each k pair of a tile's rows in one gather (one 4-byte copy a row: 12-14 %
@@ -417,6 +417,9 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
   const int64_t blocks = (n + 15) / 16;
   // a pair of weight blocks (32 rows x stride x 2 bytes) is `stride` cache lines: a share of them each 32-k step
   const int64_t ahead_lines = (stride + (k + 31) / 32 - 1) / ((k + 31) / 32);
+  using TileSums = decltype(&tile_sums<1, 1>);  // by [weight blocks - 1][x tiles - 1]
+  static constexpr TileSums tile_sums_of[2][2] = {{tile_sums<1, 1>, tile_sums<1, 2>},
+                                                  {tile_sums<2, 1>, tile_sums<2, 2>}};
   parallel_for((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
     TileConfig config;
     for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.row_bytes[t] = t == 4 || t == 5 ? 64 : width * 4;
@@ -447,14 +450,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
       for (int64_t t = 0; t < x_tiles; t += 2) {
         const int64_t xb = t + 1 < x_tiles ? 2 : 1;
         const bf16* xt = xs + t * x_tile;
-        const char* ahead = t == 0 ? next : nullptr;
-#define INFERMESH_TILE_SUMS(WB, XB) \
-  tile_sums<WB, XB>(wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad, ahead, ahead_lines)
-        if (wb == 2 && xb == 2) INFERMESH_TILE_SUMS(2, 2);
-        else if (wb == 2) INFERMESH_TILE_SUMS(2, 1);
-        else if (xb == 2) INFERMESH_TILE_SUMS(1, 2);
-        else INFERMESH_TILE_SUMS(1, 1);
-#undef INFERMESH_TILE_SUMS
+        tile_sums_of[wb - 1][xb - 1](wp, w_stride, tile_rows, w_k, xt, width * 4, x_tile, sums, pad,
+                                     t == 0 ? next : nullptr, ahead_lines);
         for (int64_t i = 0; i < wb; ++i)
           for (int64_t j = 0; j < xb; ++j) {
             const float* s = sums + (2 * i + j) * 256;  // [weight row][x row], rows 64 bytes apart
