@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,6 +73,16 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     assert bm.grow(table, 4)  # two blocks: the old sequence's (tail first) go before the new one's
     assert bm.match_prefix([1, 2, 3]) == ([], [])
     assert bm.match_prefix([7, 8, 9])[0] == new[:1]
+
+
+def test_block_hash_is_blake2b_of_parent_and_int32_ids():
+    """The hashes are published in the registry and compared across processes (and versions): their bytes are
+    the parent's 8 and each id's 4, little-endian, as hashlib hashes them here."""
+    parent = block_hash(None, [1, -2])
+    data = bytes(8) + (1).to_bytes(4, "little") + (-2).to_bytes(4, "little", signed=True)
+    assert parent == int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    data = parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in (49151, 0, 7))
+    assert block_hash(parent, [49151, 0, 7]) == int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def test_hash_chain_depends_on_the_whole_prefix():
