@@ -41,7 +41,7 @@ from mesh.metrics import ENGINE_LOAD
 from mesh.registry import Registry, Role
 from mesh.service import serve
 from mesh.settings import DecodeSettings
-from mesh.telemetry import server_span, tracer
+from mesh.telemetry import recording, server_span, tracer
 from protos.convert import FINISH_REASONS, logprobs_fields, logprobs_message, sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 
@@ -133,7 +133,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
             rid = request.request_id
             spans[rid] = tracer().start_span("decode.request", propagate.extract(dict(item.trace_context)),
                                              kind=trace.SpanKind.SERVER, attributes={
-                                                 "request_id": rid, "prefill_locally": request.prefill_locally})
+                                                 "request_id": rid, "prefill_locally": request.prefill_locally}) \
+                if recording() else trace.INVALID_SPAN
             try:
                 self._open(request, into=events).add_done_callback(
                     lambda done: done.exception() and events.put([(rid, done.exception())]))

@@ -45,7 +45,7 @@ from mesh.metrics import Metrics
 from mesh.registry import Role
 from mesh.registry.snapshot import Snapshot
 from mesh.settings import RouterSettings
-from mesh.telemetry import outgoing_metadata, server_span, tracer
+from mesh.telemetry import child_span, outgoing_metadata, server_span
 from protos.convert import sampling_kwargs
 from protos.infermesh.v1 import common_pb2, inference_pb2, internal_pb2, internal_pb2_grpc
 from router.decode_streams import DecodeStreams
@@ -192,7 +192,7 @@ class RouterCore:
                         continue
                     raise from_status(e.code(), f"{chosen.decode.id}: {e.details()}") from None
                 finally:
-                    self._unroute(chosen.decode.id, blocks)
+                    self._unroute(chosen, blocks)
 
     @staticmethod
     def _complete(final: inference_pb2.Final, rid: str, ids: list[int], started: float, first_at: float | None):
@@ -209,7 +209,7 @@ class RouterCore:
         """The instances for one try, counted against the chosen decode instance's load until `_unroute`:
         choosing and counting are one step, so each request of a burst sees the ones routed before it.
         After a migration the new decode instance holds the prompt and the `resumed` tokens."""
-        with tracer().start_as_current_span("router.route") as route_span:
+        with child_span("router.route") as route_span:
             # the hashes in the block size last seen (decode enforces one for all), read with the instances
             chain = prefix_hashes(ids, self._block_size) if self._block_size else []
             everyone, hits = await self._read_registry(chain)
@@ -234,7 +234,6 @@ class RouterCore:
             routed[0], routed[1] = routed[0] + 1, routed[1] + blocks
             route_span.set_attributes({"decode": chosen.decode.id, "reason": chosen.reason,
                                        "prefill": chosen.prefill.id if chosen.prefill else ""})
-        self.routes.add(1, {"decision": chosen.decision.value})
         return chosen, blocks
 
     async def _read_registry(self, chain: list[int]):
@@ -246,21 +245,24 @@ class RouterCore:
 
     def _with_routed(self, decode):
         """The registry's record of `decode`, its load raised to what this router has routed there itself."""
-        requests, blocks = self._routed.get(decode.id, (0, 0))
+        routed = self._routed.get(decode.id)
+        if routed is None:
+            return decode
+        requests, blocks = routed
         return dataclasses.replace(decode, active_requests=max(decode.active_requests, requests),
                                    kv_blocks_used=max(decode.kv_blocks_used, blocks))
 
-    def _unroute(self, decode_id: str, blocks: int) -> None:
-        """A try routed to `decode_id` ended (finished, failed or left)."""
-        routed = self._routed[decode_id]
+    def _unroute(self, chosen, blocks: int) -> None:
+        """A try ended (finished, failed or left); its routing decision is counted now, off its first token's path."""
+        routed = self._routed[chosen.decode.id]
         routed[0], routed[1] = routed[0] - 1, routed[1] - blocks
         if routed[0] == 0:
-            del self._routed[decode_id]
+            del self._routed[chosen.decode.id]
+        self.routes.add(1, {"decision": chosen.decision.value})
 
     async def _responses(self, rid: str, ids: list[int], sampling, chosen, call, resume: list[int]):
         """One try on the chosen instances: the decode instance's responses. After a migration (`resume`:
         the tokens already streamed) the new decode instance prefills prompt and tokens itself and goes on."""
-        metadata = outgoing_metadata()
         reserved = chosen.prefill is not None and not resume
         # (unary calls to decode only for a reservation: the request itself goes on the shared stream)
         decode = internal_pb2_grpc.DecodeStub(self.channels.get(chosen.decode.address)) if reserved else None
@@ -281,7 +283,8 @@ class RouterCore:
                 async for response in stream(local):
                     yield response
             else:
-                join = await self._disaggregate(rid, ids, sampling, chosen, decode, metadata, self._remaining(call))
+                join = await self._disaggregate(rid, ids, sampling, chosen, decode, outgoing_metadata(),
+                                                self._remaining(call))
                 try:
                     async for response in stream(join):
                         yield response

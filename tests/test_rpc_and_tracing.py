@@ -114,6 +114,33 @@ def test_one_call_is_one_trace_across_two_processes_in_one_file(tmp_path):
     assert spans["admin.status"]["service"] == "server" and spans["admin.status"]["attributes"] == {"instance": "x"}
 
 
+class _CallerMetadata:
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    def invocation_metadata(self):
+        return self.metadata
+
+
+def untraced_hop(caller: str, out) -> None:
+    """A server that records no spans (trace `none`): what it passes on to the next hop, and whether it records."""
+    from mesh.telemetry import child_span, outgoing_metadata, recording, server_span
+
+    with server_span(_CallerMetadata([("traceparent", caller)]), "hop.request"), child_span("hop.route"):
+        out.put((recording(), dict(outgoing_metadata())))
+
+
+def test_a_hop_that_records_no_spans_passes_the_callers_trace_on():
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    spawn = multiprocessing.get_context("spawn")  # a process of its own: no tracer provider set by another test
+    out = spawn.Queue()
+    hop = spawn.Process(target=untraced_hop, args=(caller, out))
+    hop.start()
+    recording, metadata = out.get(timeout=60)
+    hop.join(30)
+    assert recording is False and metadata["traceparent"] == caller
+
+
 def test_a_bad_trace_spec_is_refused():
     from mesh.telemetry import setup_tracing
 
