@@ -325,6 +325,8 @@ void attend_chunk(const float* q, const T* k_cache, const T* v_cache, const int6
     std::pair<float, float> stats[MAX_PASS];
     const int64_t size = static_cast<int64_t>(pass.size());
     for (int64_t p = 0; p < size; ++p) qs[p] = q + pass[p] * dim, outs[p] = acc + pass[p] * dim;
+    for (int64_t i = 0; i < std::min(n, AHEAD); ++i)  // the rows the loops' own prefetches start past
+      prefetch_row(keys + rows[i], dim * sizeof(T)), prefetch_row(values + rows[i], dim * sizeof(T));
     if (dim == 64)
       attend_pass<4>(size, qs, keys, values, rows, n, scale, scores, outs, stats);
     else if (dim == 128)
