@@ -131,10 +131,11 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         def start(item) -> None:
             request = item.decode
             rid = request.request_id
-            spans[rid] = tracer().start_span("decode.request", propagate.extract(dict(item.trace_context)),
-                                             kind=trace.SpanKind.SERVER, attributes={
-                                                 "request_id": rid, "prefill_locally": request.prefill_locally}) \
-                if recording() else trace.INVALID_SPAN
+            spans[rid] = trace.INVALID_SPAN  # (a no-op span where this process records none)
+            if recording():
+                spans[rid] = tracer().start_span("decode.request", propagate.extract(dict(item.trace_context)),
+                                                 kind=trace.SpanKind.SERVER, attributes={
+                                                     "request_id": rid, "prefill_locally": request.prefill_locally})
             try:
                 self._open(request, into=events).add_done_callback(
                     lambda done: done.exception() and events.put([(rid, done.exception())]))
