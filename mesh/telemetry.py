@@ -160,11 +160,12 @@ def recording() -> bool:
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
-def child_span(name: str) -> contextlib.AbstractContextManager[trace.Span]:
-    """A span inside the current one (the current one itself when this process records none)."""
+def child_span(name: str, **options) -> contextlib.AbstractContextManager[trace.Span]:
+    """A span inside the current one (the current one itself when this process records none); `options` go to
+    `start_as_current_span` (kind, attributes)."""
     if not recording():
         return contextlib.nullcontext(trace.get_current_span())
-    return tracer().start_as_current_span(name)
+    return tracer().start_as_current_span(name, **options)
 
 
 def outgoing_metadata(extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
@@ -180,10 +181,7 @@ def server_span(grpc_context, name: str, **attributes) -> Iterator[trace.Span]:
     carrier = {k: v for k, v in (grpc_context.invocation_metadata() or ())}
     token = otel_context.attach(propagate.extract(carrier))
     try:
-        if not recording():  # the caller's context goes on to the next hop all the same
-            yield trace.get_current_span()
-            return
-        with tracer().start_as_current_span(name, kind=trace.SpanKind.SERVER, attributes=attributes) as current:
-            yield current
+        with child_span(name, kind=trace.SpanKind.SERVER, attributes=attributes) as current:
+            yield current  # (with no span of ours, the caller's context still goes on to the next hop)
     finally:
         otel_context.detach(token)
