@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -361,10 +362,18 @@ def rows_of(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 64
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's `flags` line; none where there is no such line, as on Arm)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def best_bf16_path() -> str:
-    """The bf16 path cpu_linear.cpp should take on this CPU, read from its flags: AMX tiles, else
-    AVX512-BF16 dot products, else float32 FMAs."""
-    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    """The bf16 path cpu_linear.cpp should take here, from the CPU's flags and the build's target
+    (INFERMESH_CPU_MARCH: x86-64-v3 has no AVX-512): AMX tiles, else AVX512-BF16 dot products, else FMAs."""
+    flags = cpu_flags() if cpu_ops.march() == "native" else set()
     return "amx" if "amx_bf16" in flags else "dot" if {"avx512_bf16", "avx512bw"} <= flags else "fma"
 
 
@@ -581,6 +590,7 @@ def test_linear_takes_the_few_row_kernel_only_where_asked_and_up_to_its_rows(mon
     assert torch.equal(linear(x[:3]), gemm[:3])
 
 
+@pytest.mark.slow
 def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_when_they_are_not_used(tmp_path):
     """The build as a fresh machine meets it: a lock left by a killed build does not stall it, a library cut
     short by one is built again, and without a compiler, or switched off, the engine is told why (and attends
@@ -606,3 +616,23 @@ def test_cpu_kernels_build_past_a_stale_lock_and_a_cut_short_library_and_say_whe
     assert failed.returncode == 1 and "CPU kernels not built" in failed.stderr
     off = build(tmp_path, INFERMESH_CPU_KERNELS="off")  # built, but switched off
     assert off.returncode == 1 and "CPU kernels off (INFERMESH_CPU_KERNELS)" in off.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64" or not {"avx2", "fma", "bmi2"} <= cpu_flags(),
+                    reason="the x86-64-v3 build runs on an x86 CPU with AVX2 and FMA")
+def test_the_kernels_built_for_avx2_alone_hold_every_contract_on_this_cpu():
+    """INFERMESH_CPU_MARCH=x86-64-v3 builds the AVX2 paths (no AVX-512, whatever this CPU has): this file's
+    CPU kernel tests and the one-call layers' (tests/test_step_layers.py), run against that build, pass as
+    they do against the native one."""
+    import os
+    import subprocess
+    import sys
+
+    for selection in ([__file__, "-k", "cpu and not avx2_alone and not build_past"],
+                      [str(Path(__file__).parent / "test_step_layers.py")]):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+                              capture_output=True, text=True, timeout=1200, cwd=Path(__file__).parents[1],
+                              env={**os.environ, "INFERMESH_CPU_MARCH": "x86-64-v3"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        assert " passed" in done.stdout and " failed" not in done.stdout

@@ -13,10 +13,10 @@
 //
 // amx (Sapphire Rapids and later): tiles of 16 weight rows x 32 k (read straight from the weight) times
 // 32 k x up to 16 rows of x (x rearranged in pairs, as TDPBF16PS takes it), summed into float32 tiles over
-// ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/RESULTS.md,
-// "projections on AMX tiles"). dot (AVX512-BF16 without AMX, e.g. AMD Zen 4): VDPBF16PS sums bf16 pairs
-// of a weight row and a row of x into 16 float32 lanes, 4 weight rows x 4 rows of x at a time, the lanes
-// then added 16 sums at once (bench/RESULTS.md, "projections on AVX512-BF16"). fma, float32 vector FMAs:
+// ascending k; ~1.4x torch's `mv` at one row and 1.0-1.9x its GEMM at 4 to 64 (bench/linear.py). dot
+// (AVX512-BF16 without AMX, e.g. AMD Zen 4): VDPBF16PS sums bf16 pairs of a weight row and a row of x into
+// 16 float32 lanes, 4 weight rows x 4 rows of x at a time, the lanes then added 16 sums at once. fma, float32
+// vector FMAs:
 // with AVX-512 each intra-op thread streams a contiguous range of weight rows once for all M rows,
 // prefetching 2 KiB ahead (two float32 accumulators over 32-weight steps, then halved; the last k % 32 one by
 // one); with AVX2 only, blocks of weight rows times rows of x held in registers, shaped by M (below).
@@ -32,13 +32,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef INFERMESH_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define INFERMESH_AMX 1
 #endif
 
 namespace {
@@ -50,7 +46,7 @@ constexpr int64_t WIDE_ROWS = 64;  // the amx and dot paths: every decode step o
 constexpr int64_t AHEAD_BYTES = 2048;
 
 inline f32x16 int8_to_float(const int8_t* p) {  // 16 of them
-#ifdef __AVX512F__
+#ifdef INFERMESH_AVX512
   return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else  // GCC's vector conversions from int8 compile to scalar code (GCC 12): this at least vectorizes the loop
   f32x16 v;
@@ -89,7 +85,7 @@ void arrange_x(const T* x, float* out, int64_t k) {
 }
 
 // y[g * n] = scale * <w, x[g]> for the G rows of x (arranged, row stride k): one pass over the weight row.
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 template <int G, typename W, typename Y>
 void dot_rows(const W* w, const float* x, int64_t k, float scale, Y* y, int64_t n) {
   f32x16 even[G] = {}, odd[G] = {};
@@ -143,7 +139,7 @@ void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t
 // the last k % 32 one by one: one order whatever the blocking, so the blocking follows M. A block is W weight
 // rows times up to G rows of x, W * G accumulators in registers; each step's weights are converted once per
 // block and used for every row of x in it, so past a few rows of x the FMAs bound the kernel, not the loads
-// and conversions (1.6-1.8x the loop before it at 16-64 rows, bench/RESULTS.md, "register blocks on AVX2").
+// and conversions (1.6-1.8x the loop before it at 16-64 rows).
 // The first group of x rows streams the weights from memory, prefetching ahead; the others read them from
 // cache. FMAs written out (fma8, std::fma): left to GCC, some instantiations multiplied and added apart.
 
@@ -159,7 +155,7 @@ inline f32x8 quarter(const c10::BFloat16* w, int q) {
   std::memcpy(&pairs, w + 16 * (q % 2), sizeof pairs);
   return (f32x8)(q < 2 ? pairs << 16 : pairs & 0xFFFF0000u);
 }
-#if defined(__AVX2__)
+#ifdef INFERMESH_AVX2
 template <>
 inline f32x8 quarter(const int8_t* w, int q) {
   const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * q));
@@ -229,12 +225,11 @@ void run_blocks(const Wt* w, int64_t stride, const float* scale, const float* x,
   });
 }
 
-// y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op
-// thread takes its range of weight rows a block at a time. The shapes, measured on an AVX2 Zen 3 (bench/
-// RESULTS.md): at one row memory bounds bf16, and one weight row at a time reads it best (more streams at
-// once read it 5-15 % slower); int8 steps are half the bytes, so there the FMAs' latency bounds a row's one
-// chain of sums and 4 weight rows side by side go faster; past a few rows, blocks that convert each weight
-// vector once for more rows of x.
+// y [m, n] from the m rows of x (arranged) and the weight rows (scale[r] each, or none): each intra-op thread takes
+// its range of weight rows a block at a time. The shapes, measured on an AVX2 Zen 3: at one row memory bounds bf16,
+// and one weight row at a time reads it best (more streams at once read it 5-15 % slower); int8 steps are half the
+// bytes, so there the FMAs' latency bounds a row's one chain of sums and 4 weight rows side by side go faster; past a
+// few rows, blocks that convert each weight vector once for more rows of x.
 template <typename W, typename Y>
 void run(const W* w, int64_t stride, const float* scale, const float* x, int64_t m, int64_t k, Y* y, int64_t n) {
   if (m <= 3 && std::is_same_v<W, int8_t>) return run_blocks<4, 2>(w, stride, scale, x, m, k, y, n);
@@ -309,7 +304,7 @@ void tile_sums(const bf16* w, int64_t stride, const int64_t* rows, int64_t k, co
 
 // One row of x and whole tile pairs (n % 32 == 0, k % 32 == 0): the tiles below in the same order, with x read in
 // place (one row is already the B tile's [k pair][row][2]) and nothing padded or rearranged: ~10 % faster at
-// one row (bench/RESULTS.md, "the decoder layers in one call").
+// one row.
 at::Tensor linear_amx_row(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
   const at::Tensor xc = x.contiguous();
@@ -366,7 +361,7 @@ void convert_rows(const int8_t* w, int64_t stride, int64_t rows, int64_t k, int6
 }
 
 // Column c of a float32 C tile stored with 64-byte rows ([16 weight rows][x rows]): x row c's 16 sums, in one
-// gather (element by element, 6-8 % more time for a 32-row layer's projections from cache: bench/RESULTS.md).
+// gather (element by element, 6-8 % more time for a 32-row layer's projections from cache).
 inline f32x16 tile_column(const float* tile, int64_t c) {
   const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
   return (f32x16)_mm512_i32gather_ps(rows, tile + c, 4);
@@ -393,7 +388,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
   const at::Tensor xc = x.contiguous();
   int64_t r = 0;
   if (k % 2 == 0) {  // whole tiles: each k pair of a tile's rows in one gather (one 4-byte copy a row: 12-14 %
-                     // more time for a layer's projections from cache at 32-40 rows, bench/RESULTS.md)
+                     // more time for a layer's projections from cache at 32-40 rows)
     const __mmask16 lanes = static_cast<__mmask16>((1u << width) - 1);
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(static_cast<int>(k / 2)));  // in pairs
@@ -443,7 +438,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
       }
       const int64_t* tile_rows = int8 ? whole : rows;  // (the converted rows are zero-padded to whole tiles)
       // bf16: the thread's next pair of weight blocks into L2 while the first x tiles are summed with this one (the
-      // tiles' loads otherwise wait for memory: 4-32 rows 5-20 % faster, bench/RESULTS.md); int8's conversion
+      // tiles' loads otherwise wait for memory: 4-32 rows 5-20 % faster); int8's conversion
       // prefetches its own
       const char* next = !int8 && pair + 1 < end ? reinterpret_cast<const char*>(w + 32 * (pair + 1) * stride)
                                                  : nullptr;
@@ -476,8 +471,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, const float
 // ---- bf16 on AVX512-BF16 dot products (VDPBF16PS), where there is no AMX ----
 
 // (AVX512-BW: the masked 16-bit loads of a step's tail)
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define INFERMESH_BF16_DOT 1
+#ifdef INFERMESH_BF16_DOT
 constexpr int DOT_W = 4, DOT_X = 4;  // weight rows x rows of x summed together, in 16 registers
 constexpr int64_t DOT_READ_BOUND_ROWS = 3;  // up to this many rows of x, weight rows are read one after another
 
@@ -719,7 +713,7 @@ int64_t linear_int8_rows(c10::ScalarType dtype) {
 // registers. Either way every output is summed in one order whatever M and the threads (then scaled once): a
 // row gets the same bits in any batch the path takes. Not `batch_invariant`, on AMX: 2 rows and more on AMX
 // tiles (each pass's weight rows converted to bf16, then linear_amx's tiles), ~2.9x the dot path at 32 rows
-// but ~30 % slower at one, which stays on the dot path (bench/RESULTS.md, "int8 weights on AMX tiles"); so a
+// but ~30 % slower at one, which stays on the dot path; so a
 // row's bits depend on whether it was alone.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool batch_invariant) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.stride(1) == 1 &&

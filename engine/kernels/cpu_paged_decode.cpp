@@ -38,7 +38,7 @@ constexpr int64_t CHUNK = 256;
 
 // scores [n], in a buffer of whole 16-lane vectors -> e^(score - max) in place (0 past n); returns (max,
 // their sum).
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
   const int64_t padded = (n + 15) / 16 * 16;
   std::fill(scores + n, scores + padded, -INFINITY);
@@ -82,11 +82,11 @@ inline std::pair<float, float> softmax_numerators(float* scores, int64_t n) {
 #endif
 
 // Rows prefetched ahead of the one in use (a KV head's part of a row is strided, which the hardware
-// prefetcher follows poorly): 19-20 -> 10-12 ms for 30 layers of 6,000 tokens on 2 cores (bench/RESULTS.md).
+// prefetcher follows poorly): 19-20 -> 10-12 ms for 30 layers of 6,000 tokens on 2 cores.
 // Into L2, not L1: L1 has too few misses in flight for 32 rows of 2 lines each (AMD Zen 4: 9.3-10.2 ->
 // 7.7-7.9 ms at 1 x 6,000 tokens, 11.9-12.8 -> 8.4-8.9 at 32 x 200).
 // The AVX-512 loops then bring the rows they are about to read from L2 into L1 as well (bf16: the next 16
-// keys, the value 8 rows on): 3-5 % off 30 layers at 1 x 6,000, 8 x 1,000 and 32 x 200 on the AMX VM.
+// keys, the value 8 rows on): 3-5 % off 30 layers at 1 x 6,000, 8 x 1,000 and 32 x 200 on a CPU with AMX tiles.
 constexpr int64_t AHEAD = 32, NEAR = 8;
 
 template <int LEVEL = 2>  // 2: into L2, 3: into L1 (__builtin_prefetch's locality)
@@ -96,7 +96,7 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 
 // scores [p * CHUNK + i] = scale * (q[p] . key i) for P query heads over n cache rows, one row at a time:
 // its 16-lane products reduced by sum16 for each head. V = D / 16 at compile time.
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 template <int V, int P, typename T>
 void scores_of(const float* const* q, const T* keys, const int64_t* rows, int64_t n, float scale, float* scores) {
   f32x16 query[P][V];
@@ -139,13 +139,15 @@ void scores_of(const float* const* q, const T* keys, const int64_t* rows, int64_
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef INFERMESH_BF16_DOT
 // The same over bf16 on AVX512-BF16 dot products (VDPBF16PS: bf16 pairs multiplied exactly, summed into
 // 16 float32 lanes; the queries are bf16 values, so exact in bf16), 16 rows at a time: their 16 sums reduced
-// together (sum16x16), not one by one. Written up to n rounded up to 16 (past n: unused).
+// together (sum16x16), not one by one. Written up to n rounded up to 16 (past n: unused). Capped to fma
+// (INFERMESH_CPU_BF16), the rows above.
 template <int V, int P>
 void scores_of(const float* const* q, const c10::BFloat16* keys, const int64_t* rows, int64_t n, float scale,
                float* scores) {
+  if (bf16_path() == Bf16Path::fma) return scores_of<V, P, c10::BFloat16>(q, keys, rows, n, scale, scores);
   constexpr int STEPS = V / 2;  // 32 bf16 of a row per dot product
   __m512bh query[P][STEPS];
   for (int p = 0; p < P; ++p)
@@ -176,7 +178,7 @@ void scores_of(const float* const* q, const c10::BFloat16* keys, const int64_t* 
 // P query heads q [P, D] that share one KV head, over n cache rows (keys + rows[i], values + rows[i]):
 // out [P, D] = the sum of the rows' values weighted by e^(score - max); stats [P] = (max, sum of weights).
 // V = D / 16 at compile time, so the P outputs stay in registers while each row is read once for all P heads.
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 template <int V, int P, typename T>
 void attend_heads(const float* const* q, const T* keys, const T* values, const int64_t* rows, int64_t n,
                   float scale, float* scores, float* const* out, std::pair<float, float>* stats) {
@@ -404,7 +406,7 @@ void run(const T* qp, int64_t q_stride, int64_t batch, int64_t heads, const at::
       if (first_item[b + 1] - first_item[b] == 1) finish(b, merged.data());  // one chunk: done here
     }
   };
-  parallel_for(items, attend_items);  // short contexts too: their rows come from memory (bench/RESULTS.md)
+  parallel_for(items, attend_items);  // short contexts too: their rows come from memory
 
   std::vector<float> merged(s.head_dim);  // sequences of several chunks, on this thread: little work
   for (int64_t b = 0; b < batch; ++b)

@@ -48,7 +48,7 @@ struct Problem {
 
 // ---- online softmax over one block of scores (both paths) ----
 
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 // e^x for x <= 0 (-inf included), 16 at a time, to ~3e-6 relative: 2^(x log2 e) as 2^n times 2^f, f in
 // [-1/2, 1/2] by a degree-5 polynomial. For weights that are rounded to bf16 next (relative 4e-3), in half
 // the instructions of exp_nonpositive.
@@ -82,7 +82,7 @@ inline float softmax_block(float* s, int64_t valid, float& row_max, float* row_s
   const float new_max = std::max(row_max, max16(top01 > top23 ? top01 : top23));
   const float alpha = new_max == row_max ? 1.f : row_max == -INFINITY ? 0.f : std::exp(row_max - new_max);
   auto weight = [new_max](f32x16 x) {
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
     if constexpr (BF16) return exp_for_bf16(x - new_max);
 #endif
     return x == -INFINITY ? 0 : exp_nonpositive(x - new_max);
@@ -160,8 +160,7 @@ void weigh_f32(const float* p, const float* values, float* o) {
 
 // ---- bf16 path (AVX512-BF16 dot products) ----
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define INFERMESH_PREFILL_DOT 1
+#ifdef INFERMESH_BF16_DOT
 
 inline uint32_t pair(c10::BFloat16 lo, c10::BFloat16 hi) { return lo.x | static_cast<uint32_t>(hi.x) << 16; }
 
@@ -244,7 +243,7 @@ void lay_out(const T* k, const T* v, int64_t stride, int64_t first, int64_t coun
              float* values) {
   lay_out_f32(k, v, stride, first, count, dim, keys, values);
 }
-#ifdef INFERMESH_PREFILL_DOT
+#ifdef INFERMESH_BF16_DOT
 inline void lay_out(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride, int64_t first, int64_t count,
                     int64_t dim, uint32_t* keys, uint32_t* values) {
   lay_out_pairs(k, v, stride, first, count, dim, keys, values);
@@ -282,7 +281,7 @@ void attend_item(const Problem& pb, const T* q, int64_t q_stride, int64_t h, int
     const Laid* kb = keys + b * block_size;
     const Laid* vb = values + b * block_size;
     for (int64_t i = 0; i < padded; i += R) {
-#ifdef INFERMESH_PREFILL_DOT
+#ifdef INFERMESH_BF16_DOT
       if constexpr (DOT) scores_pairs(w.q_pairs.data() + i * dim / 2, dim, kb, pb.scale, w.s.data() + i * KB);
       else
 #endif
@@ -296,7 +295,7 @@ void attend_item(const Problem& pb, const T* q, int64_t q_stride, int64_t h, int
         float* o = w.o.data() + i * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] *= alpha;
       }
-#ifdef INFERMESH_PREFILL_DOT
+#ifdef INFERMESH_BF16_DOT
       if constexpr (DOT) {  // the weights as bf16 pairs
         uint32_t* p = w.p_pairs.data() + i * KB / 2;
         for (int64_t j = 0; j < KB; j += 32)
@@ -306,7 +305,7 @@ void attend_item(const Problem& pb, const T* q, int64_t q_stride, int64_t h, int
 #endif
     }
     for (int64_t i = 0; i < padded; i += R) {
-#ifdef INFERMESH_PREFILL_DOT
+#ifdef INFERMESH_BF16_DOT
       if constexpr (DOT) weigh_pairs<V>(w.p_pairs.data() + i * KB / 2, vb, w.o.data() + i * dim);
       else
 #endif
@@ -374,7 +373,7 @@ void run(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::
 template <int V, typename T>
 void run_path(const Problem& pb, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const int64_t* kv_head, at::Tensor& out, at::Tensor& lse) {
-#ifdef INFERMESH_PREFILL_DOT
+#ifdef INFERMESH_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16> && V % 2 == 0) {
     if (bf16_path() != Bf16Path::fma) return run<V, true, T>(pb, q, k, v, kv_head, out, lse);
   }

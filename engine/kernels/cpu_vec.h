@@ -7,9 +7,7 @@
 
 #include <omp.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -50,8 +48,8 @@ struct lanes<f32x8> {
 };
 
 // The float vector of a row-wise loop on this CPU: 16 lanes with AVX-512; else 8, one AVX2 register (a loop
-// over 16-lane vectors there spilled through the stack and ran ~10x slower than memory: bench/RESULTS.md).
-#if defined(__AVX512F__)
+// over 16-lane vectors there spilled through the stack and ran ~10x slower than memory).
+#ifdef INFERMESH_AVX512
 using f32xN = f32x16;
 #else
 using f32xN = f32x8;
@@ -77,7 +75,7 @@ inline f32x16 load16(const float* p) {
 }
 template <>
 inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-#if defined(__AVX512F__)  // one widening load (GCC widens a vector of 16 in two halves)
+#ifdef INFERMESH_AVX512  // one widening load (GCC widens a vector of 16 in two halves)
   return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
 #else
   u16x16 bits;
@@ -104,7 +102,7 @@ inline float sum16(f32x16 v) {  // halve and add: in registers with GCC >= 12 or
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
 // The 16 vectors' sums, each added in sum16's order (halves, quarters, then (b0 + b2) + (b1 + b3)) but 16 at
 // once: lane 4 c + j of the result is the sum of v[4 j + c].
 __attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
@@ -125,7 +123,7 @@ __attribute__((always_inline)) inline __m512 sum16x16(const __m512 (&v)[16]) {
 #endif
 
 // ---- 8 lanes: where there is no AVX-512, GCC keeps a vector of 16 floats in two registers and moves their
-// halves through the stack (bench/RESULTS.md, "bf16 on a CPU without bf16 arithmetic"), so the kernels' AVX2
+// halves through the stack, so the kernels' AVX2
 // code works on vectors of 8, each 16-lane sum as its lanes 0-7 and 8-15 (same bits, lane by lane) ----
 
 template <typename T>
@@ -140,7 +138,7 @@ inline f32x8 load8(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-#if defined(__AVX2__)
+#ifdef INFERMESH_AVX2
 template <>
 inline f32x8 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
   return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
@@ -150,7 +148,7 @@ inline f32x8 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float
 // a * b + c rounded once, written out: GCC leaves `c += a * b` a multiply and an add in some inlined contexts
 // and not in others, which gives one sum other bits in another caller
 inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
-#if defined(__FMA__)
+#ifdef INFERMESH_FMA
   return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
   return a * b + c;
@@ -163,7 +161,7 @@ inline float sum8(f32x8 a) {  // sum16's order from its halves' sum: quarters, t
 }
 
 inline float max16(f32x16 v) {
-#if defined(__AVX512F__)
+#ifdef INFERMESH_AVX512
   return _mm512_reduce_max_ps((__m512)v);
 #else
   float m = v[0];
