@@ -33,13 +33,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from decode_svc.follower import reservation_key
 from engine.core import EngineCore, StepOutput
 from engine.cpu_lending import CpuLending
 from engine.errors import NoReservation, PeerFailed, ServingError
 from engine.loop import EngineLoop
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence
+from kvtransfer.control import RESERVATION, Reservation
 from kvtransfer.transport import KVReceiver
 
 
@@ -73,7 +73,8 @@ class DecodeCore:
         streams got the error). `lease_s`: how long a reservation waits for its join. `cpus`: the cores this
         instance holds and borrows (engine.loop)."""
         self.engine, self.shared_store, self.on_failure, self.lease_s = engine, shared_store, on_failure, lease_s
-        self._leases: dict[str, float] = {}  # reserved request id -> when its lease ends (monotonic)
+        self._leases: dict[str, float] = {}  # reserved request id -> when its lease ends (on `clock`)
+        self.clock: Callable[[], float] = time.monotonic  # the leases' (a test moves its own)
         self._expiring = threading.Event()  # set: stop the lease thread
         self.kv_lock = threading.Lock()
         self.reservations: dict[str, tuple[int, ...]] = {}  # request id -> reserved block table
@@ -105,7 +106,7 @@ class DecodeCore:
 
     def _expire_leases(self) -> None:
         while not self._expiring.wait(min(1.0, self.lease_s / 4)):
-            now = time.monotonic()
+            now = self.clock()
             for request_id in [r for r, end in list(self._leases.items()) if end <= now]:
                 if self._leases.pop(request_id, None) is not None and not self.failed:
                     try:
@@ -149,9 +150,9 @@ class DecodeCore:
             seq = self.engine.reserve(request_id, prompt, params)
             with self.kv_lock:
                 self.reservations[request_id] = tuple(seq.block_table)
-            self._leases[request_id] = time.monotonic() + self.lease_s
+            self._leases[request_id] = self.clock() + self.lease_s
             if self.shared_store is not None:
-                self.shared_store.set(reservation_key(request_id), ",".join(map(str, seq.block_table)))
+                self.shared_store.put(RESERVATION.key(request_id), Reservation(tuple(seq.block_table)))
             self._requests[request_id] = seq
             return tuple(seq.block_table), seq.num_cached_prompt_tokens
 
@@ -193,7 +194,7 @@ class DecodeCore:
         the lease, so a push in progress never outlives it."""
         table = self.reservations.get(request_id)
         if table is not None and request_id in self._leases:
-            self._leases[request_id] = time.monotonic() + self.lease_s
+            self._leases[request_id] = self.clock() + self.lease_s
         return table
 
     def cancel(self, request_id: str, only_reserved: bool = False) -> bool:
@@ -293,5 +294,5 @@ class DecodeCore:
     def _unpublish(self, request_id: str) -> None:
         """Other ranks keep accepting pieces until the next step plan names the reservation as ended."""
         if self.shared_store is not None:
-            self.shared_store.delete_key(reservation_key(request_id))
+            self.shared_store.delete(RESERVATION.key(request_id))
 

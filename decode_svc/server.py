@@ -13,7 +13,6 @@ setting differs from the registered instances' refuses to start.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,17 +21,20 @@ import grpc
 from opentelemetry import propagate, trace
 
 from decode_svc.core import DecodeCore, TokenEvent
-from decode_svc.follower import accept_kv, endpoint_key, open_endpoints
+from decode_svc.follower import accept_kv, open_endpoints
 from engine import cpu_lending
 from engine.core import EngineConfig, EngineCore
 from engine.errors import DeadlineExceeded, ServingError, Unsupported
+from engine.limits import DEFAULT_MAX_TOKENS
 from engine.parallel.context import ExpertAttachment, ParallelConfig
+from engine.parallel.control import Call
 from engine.parallel.launcher import Rendezvous
 from engine.parallel.tp import head_shard
 from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.threads import off_the_engine_thread
+from engine.threads import off_the_engine_thread, pin_cpus
 from engine.weights import load_checkpoint
 from kvtransfer import transports
+from kvtransfer.control import KV_ENDPOINT
 from kvtransfer.grpc_stream import WIRE_DTYPES
 from mesh import rpc
 from mesh.errors import status_code
@@ -60,7 +62,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         with server_span(context, "decode.reserve", request_id=request.request_id,
                          prompt_tokens=len(request.prompt_token_ids)):
             self.instance.admit()
-            params = SamplingParams(**sampling_kwargs(request.sampling))
+            params = SamplingParams(**sampling_kwargs(request.sampling, DEFAULT_MAX_TOKENS))
             transport = transports.by_wire(request.transport or internal_pb2.KV_TRANSPORT_GRPC_STREAM)
             addresses = self.instance.kv_endpoints.get(transport.name)
             if addresses is None:
@@ -77,7 +79,7 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
         (in-flight work, admitted even while draining); the future of its events' queue (see DecodeCore)."""
         if request.prefill_locally:
             self.instance.admit()
-            params = SamplingParams(**sampling_kwargs(request.sampling))
+            params = SamplingParams(**sampling_kwargs(request.sampling, DEFAULT_MAX_TOKENS))
             return self.core.generate(request.request_id, list(request.prompt_token_ids), params,
                                       tuple(request.resume_token_ids), into=into)
         ready = request.kv_status == internal_pb2.KV_STATUS_READY
@@ -210,7 +212,7 @@ class DecodeInstance(Instance):
         shared = {name: obj.address if obj else None for name, obj in self.shared.items()}
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = functools.partial(accept_kv, ranks=s.tp, shared=shared) if s.tp > 1 else None
+        followers = Call.of(accept_kv, ranks=s.tp, shared=shared) if s.tp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s))
@@ -219,6 +221,9 @@ class DecodeInstance(Instance):
                                lease_s=s.reservation_lease_s,
                                cpus=cpu_lending.from_flags(s.cpus, s.borrow_cpus)).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)
+        self.metrics.counted("infermesh_kv_recomputed_requests", "{request}",
+                             "Reserved requests prefilled here after all: their KV transfer failed or came late",
+                             lambda: engine.recomputed_requests)
         self.metrics.counted("infermesh_engine_steps_on_borrowed_cores", "{step}",
                              "Engine steps run on the cores of idle instances of this host as well (up --cpus split)",
                              lambda: self.core.borrowed_steps)
@@ -226,7 +231,7 @@ class DecodeInstance(Instance):
                                                       "Prompt tokens whose KV the prefix cache already held")
         self.links = rpc.Links(s.host, thread_init=off_the_engine_thread)
         self.endpoints = open_endpoints(0, s.tp, self.core.receiver, self.links, shared)
-        self.kv_endpoints = {name: [e.address, *(store.get(endpoint_key(name, r)).decode() for r in range(1, s.tp))]
+        self.kv_endpoints = {name: [e.address, *(store.get(KV_ENDPOINT.key(name, r)).address for r in range(1, s.tp))]
                              for name, e in self.endpoints.items()}  # per transport: every rank's endpoint
         self.serve([(internal_pb2_grpc.add_DecodeServicer_to_server, DecodeService(self), "infermesh.v1.Decode")],
                    block_hashes=self.core.cached_block_hashes)
@@ -262,7 +267,7 @@ class DecodeInstance(Instance):
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve("decode", DecodeSettings, DecodeInstance, argv)
+    serve("decode", DecodeSettings, DecodeInstance, argv, pin=pin_cpus)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,17 @@ go through `engine.handoff`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import check_quantization
+from engine.engine_config import EngineConfig
 from engine.errors import KVCacheFull, NoReservation, RequestError
 from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
+from engine.limits import check_prompt
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.executor import ParallelExecutor
 from engine.parallel.launcher import Rendezvous
@@ -35,44 +35,6 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_plan import plan_step
 from engine.tokenizer import IncrementalDetokenizer
 from engine.weights import Checkpoint
-
-DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_bytes: int = 1 << 30  # per rank: a context-parallel instance of N ranks holds N times this
-    num_kv_blocks: int | None = None  # per rank; overrides kv_cache_bytes
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context
-    seed: int | None = None  # for requests without a seed of their own
-    quantization: str = "none"  # or int8: weight-only, for low-latency decode at few streams (engine/quantize.py)
-    # False: float32 CPU decode through infermesh's few-row kernel (1-8 rows), faster, its rows matching each
-    # other in any such batch but not what torch's GEMM gives larger ones. bf16 and fp16 take the kernel either
-    # way: up to 64 rows, invariant (engine/model.py, Linear). int8 weights on AMX: 2-64 rows on AMX tiles, 1.6-2.2x
-    # at 8-32 rows, a row alone on the dot path (engine/quantize.py)
-    batch_invariant: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES_BY_NAME:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}, got {self.dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        check_quantization(self.quantization)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES_BY_NAME[self.dtype]
-
-    @classmethod
-    def from_settings(cls, settings) -> "EngineConfig":
-        """The fields of a service's settings that an EngineConfig has (they share the names)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in names})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +56,8 @@ class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), follower_hook=None,
                  rendezvous: Rendezvous = Rendezvous(), kv_memory=None) -> None:
-        """`follower_hook(rank, store, runner, host) -> before_step(plan)`: run by ranks 1..N-1 of a parallel
-        instance once their model is built (an importable function; a service uses it to accept pushed KV on
+        """`follower_hook`: a `control.Call` of `(rank, store, runner, host) -> before_step(plan)`, run by ranks
+        1..N-1 of a parallel instance once their model is built (a service uses it to accept pushed KV on
         every rank). `rendezvous`: where the ranks meet, which of them run here, the address rank 0 binds.
         `kv_memory(shape, dtype) -> zeroed tensor`: where every rank's KV cache lives (an importable function;
         default: private memory on the configured device)."""
@@ -116,6 +78,7 @@ class EngineCore:
                                              **layout)
         num_blocks *= parallel.cp  # each CP rank holds its stripe of the instance's blocks (engine.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size, pools=parallel.cp)
+        self.recomputed_requests = 0  # reserved requests prefilled here after all (their KV did not come)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
             self.blocks,
@@ -184,6 +147,7 @@ class EngineCore:
     def recompute(self, request_id: str) -> None:
         """The KV transfer failed: prefill the reserved request here instead."""
         self.handoff.recompute(self._reserved(request_id))
+        self.recomputed_requests += 1
 
     @property
     def kv_cache(self):
@@ -199,17 +163,7 @@ class EngineCore:
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self._sequences:
             raise RequestError(f"request_id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise RequestError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
         self._sequences[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)

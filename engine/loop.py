@@ -17,8 +17,11 @@ more intra-op threads, giving them back after it.
 `start()` runs the loop on a thread of its own; `run_here()` then moves it into the
 calling thread, between two steps, and returns when it stops. A serving process
 moves it into its main thread: on CPU, torch's intra-op threads (OpenMP, MKL)
-run matmuls 2-4x slower for any other thread (bench/RESULTS.md, "the engine's
-thread").
+run matmuls 2-4x slower for any other thread.
+
+A test holds an instance at a known point with `INFERMESH_TEST_HOLD_FILE=PATH` in its environment: while
+that file exists the loop runs commands (work arrives, cancels and reservations are served) but no step.
+Unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from engine.cpu_lending import CpuLending
 from engine.errors import Draining, PeerFailed
 
 _MOVE = "move"  # a command: the loop's thread lets go of it (`run_here`)
+HOLD_POLL_S = 0.01  # how often a held loop looks at its hold file
 
 
 class EngineLoop:
@@ -50,6 +54,7 @@ class EngineLoop:
         self._runner: threading.Thread | None = None  # the thread the loop runs on
         self.threads = torch.get_num_threads()  # the creating thread's intra-op threads: the loop's, wherever it runs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._hold_file = os.environ.get("INFERMESH_TEST_HOLD_FILE")
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -98,11 +103,12 @@ class EngineLoop:
 
     def _loop(self):
         while True:
-            busy = self.engine.has_unfinished()
+            held = self._held()
+            busy = self.engine.has_unfinished() and not held
             if not busy and self.cpus is not None:
                 self.cpus.idle()
             try:
-                item = self._commands.get(timeout=0 if busy else None)
+                item = self._commands.get(timeout=0 if busy else HOLD_POLL_S if held else None)
             except queue.Empty:
                 item = False
             while item:
@@ -119,13 +125,16 @@ class EngineLoop:
                     item = False
             if item is None:
                 return None
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and not self._held():  # (asked again: a wait may have been long)
                 try:
                     outputs = self._step()
                 except Exception as e:
                     self._fail(e)
                     return None
                 self.on_outputs(outputs)
+
+    def _held(self) -> bool:
+        return self._hold_file is not None and os.path.exists(self._hold_file)
 
     def _step(self) -> list[StepOutput]:
         if self.cpus is None:

@@ -7,12 +7,11 @@ Within a process: the engine's thread uses them all; every other thread that run
 handler writing pushed KV, a KV receiver thread) runs them on itself alone. Why: a second thread that
 starts an OpenMP parallel region gets a team of its own, whose threads live as long as it does; libgomp
 then manages more threads than there are cores, stops spinning at barriers, and every parallel op of the
-engine's step pays to wake its team. Measured: batch-1 decode at 3,000 tokens of context went from 25.7
-to 12.0 tok/s after one other (living) thread had copied a tensor with two threads, and a decode instance
-fed by a prefill instance decoded at half the speed of one that prefilled itself (bench/RESULTS.md,
-session 20). A thread's count is its own once it has used torch; a new thread takes the count last set on
-any thread, so each sets its own: these threads one, the engine's loop its instance's
-(`engine.loop.EngineLoop`).
+engine's step pays to wake its team. Measured: batch-1 decode at 3,000 tokens of context went from 25.7 to 12.0
+tok/s after one other (living) thread had copied a tensor with two threads, and a decode instance fed by a prefill
+instance decoded at half the speed of one that prefilled itself. A thread's count is its own once it has used torch;
+a new thread takes the count last set on any thread, so each sets its own: these threads one, the engine's loop its
+instance's (`engine.loop.EngineLoop`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from engine.cpus import available_cores, format_cpus
+from engine.cpus import available_cores, format_cpus, parse_cpus
 
 
 def pin(cores: Sequence[int], borrowable: Sequence[int] = ()) -> None:
@@ -39,6 +38,13 @@ def pin(cores: Sequence[int], borrowable: Sequence[int] = ()) -> None:
         except ProcessLookupError:  # it ended meanwhile
             pass
     torch.set_num_threads(len(cores))
+
+
+def pin_cpus(cpus: str, borrow_cpus: str = "") -> None:
+    """`pin` from an engine instance's `cpus` and `borrow_cpus` settings (core lists as text; "" cpus: every core
+    the process may use, nothing to pin)."""
+    if cpus:
+        pin(parse_cpus(cpus), parse_cpus(borrow_cpus) if borrow_cpus else ())
 
 
 def off_the_engine_thread() -> None:

@@ -1,50 +1,45 @@
 """The expert side of attachments, on every rank of an expert instance; testable without gRPC.
 
 Rank 0 hosts the rendezvous store (`AttachmentBook`): `attach(instance_id, ranks)` claims the next
-attachment number k, writes `attach/<k>` = the attached instance's rank count and returns the group
+attachment number k for the attached instance's rank count (`control.Store.claim`) and returns the group
 name `attach-<k>`. Every rank runs an `ExpertRank`: it polls for new attachments, joins each group as
 rank `ranks + its rank` and serves it on a thread of its own (`serve_attachment`) until the attached
 instance goes away; its groups wait idle without a deadline (the attached side bounds its steps).
 Tokens computed per MoE layer and local expert are counted per attachment (`load()` sums them).
-Ranks 1.. of an instance run `follow` (a child process each) and publish their counts in the instance store.
+Ranks 1.. of an instance run `follow` (a child process each) and publish their counts in the instance store
+(`control.EXPERT_LOAD`).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import threading
 
 import torch
-import torch.distributed as dist
 
-from engine.core import DTYPES_BY_NAME
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig, connect
+from engine.parallel.control import EXPERT_LOAD, READY, ExpertLoad, Ready, Store
 from engine.parallel.expert_attach import ExpertShard, serve_attachment
-from engine.parallel.groups import (  # IDLE: an attachment may sit idle for any time
-    IDLE,
-    announcements,
-    hosted_store,
-    stateless_group,
-)
+from engine.parallel.groups import IDLE  # an attachment may sit idle for any time
 from engine.parallel.launcher import plan_group, receive_plan
 from engine.weights import load_checkpoint
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
-PUBLISH_S = 0.5  # how often follower ranks publish their token counts (`load/<rank>`) for rank 0's status
+PUBLISH_S = 0.5  # how often follower ranks publish their token counts for rank 0's status
+ATTACH = "attach"  # the claims' family: groups `attach-<k>`
 
 
 def group_name(attachment: int) -> str:
-    return f"attach-{attachment}"
+    return f"{ATTACH}-{attachment}"
 
 
 class AttachmentBook:
     """Rank 0: the rendezvous store and which instance holds which attachment."""
 
     def __init__(self, host: str) -> None:
-        self.store = hosted_store(host, 0, STORE_TIMEOUT)
-        self.address = f"{host}:{self.store.port}"
+        self.store = Store.host(host, 0, STORE_TIMEOUT)
+        self.address = self.store.address
         self.by_instance: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -52,9 +47,7 @@ class AttachmentBook:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         with self._lock:
-            attachment = self.store.add("attachments", 1)
-            self.store.set(f"attach/{attachment}", str(ranks))
-            self.by_instance[instance_id] = attachment
+            attachment = self.by_instance[instance_id] = self.store.claim(ATTACH, ranks)
         return group_name(attachment)
 
     def detach(self, instance_id: str) -> bool:
@@ -84,24 +77,19 @@ class ExpertRank:
         self._stop.set()
         self.thread.join()
 
-    def _client(self) -> dist.TCPStore:
-        host, port = self.address.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
-
     def _listen(self) -> None:
         try:
-            store = self._client()
+            self.store = Store.connect(self.address, STORE_TIMEOUT)
         except RuntimeError:
             return  # the rendezvous store is gone: the instance is stopping
-        for attachment, attention_ranks in announcements(store, "attach", self._stop):
+        for attachment, attention_ranks in self.store.claims(ATTACH, self._stop):
             threading.Thread(target=self._serve, args=(attachment, attention_ranks), daemon=True,
                              name=f"expert-{group_name(attachment)}").start()  # joining blocks: not here
 
     def _serve(self, attachment: int, attention_ranks: int) -> None:
-        try:  # a connection of its own: a store client runs one operation at a time, and joining waits
-            group = stateless_group(self._client(), group_name(attachment), attention_ranks + self.rank,
-                                    attention_ranks + self.ranks, timeout=STORE_TIMEOUT, idle_timeout=IDLE,
-                                    host=self.host)
+        try:
+            group = self.store.join(group_name(attachment), attention_ranks + self.rank, attention_ranks + self.ranks,
+                                    timeout=STORE_TIMEOUT, idle_timeout=IDLE, host=self.host)
         except RuntimeError:
             return  # the attaching instance never joined
         tokens = torch.zeros_like(self._finished)
@@ -116,20 +104,20 @@ class ExpertRank:
                 self._finished += self.active.pop(attachment)
 
 
-def follow(rank: int, store, config: ParallelConfig, timeout, source: str, dtype: str, address: str, *,
-           host: str = "") -> None:
+def follow(rank: int, store: Store, *, host: str, parallel: ParallelConfig, timeout_s: float, source: str,
+           dtype: str, address: str) -> None:
     """An expert follower rank: its share of the experts, served to every attachment until the instance stops."""
-    checkpoint = load_checkpoint(source, DTYPES_BY_NAME[dtype])
-    store.set(f"ready/{rank}", "1")
-    connect(store, rank, config, timeout=timeout, host=host)
-    plans = plan_group(store, rank, config.world_size, host=host)
-    expert = ExpertRank(ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), rank, config.ep),
-                        rank, config.ep, address, host)
+    checkpoint = load_checkpoint(source, getattr(torch, dtype))
+    store.put(READY.key(rank), Ready(rank))
+    connect(store.raw, rank, parallel, timeout=datetime.timedelta(seconds=timeout_s), host=host)
+    plans = plan_group(store.raw, rank, parallel.world_size, host=host)
+    expert = ExpertRank(ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), rank, parallel.ep),
+                        rank, parallel.ep, address, host)
     stopped = threading.Event()
 
     def publish() -> None:
         while not stopped.wait(PUBLISH_S):
-            store.set(f"load/{rank}", json.dumps(expert.load().tolist()))
+            store.put(EXPERT_LOAD.key(rank), ExpertLoad(tuple(map(tuple, expert.load().tolist()))))
 
     threading.Thread(target=publish, daemon=True).start()
     while receive_plan(plans) is not None:  # rank 0 sends None when the instance stops

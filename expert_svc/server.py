@@ -13,17 +13,16 @@ Its in-flight work is its attachments: a drain waits for the attached instances 
 
 from __future__ import annotations
 
-import json
-
 import torch
 from opentelemetry.metrics import Observation
 
-from engine.core import DTYPES_BY_NAME
 from engine.errors import RequestError, Unsupported
 from engine.model import build_model
 from engine.parallel.context import ParallelConfig
+from engine.parallel.control import EXPERT_LOAD, Call
 from engine.parallel.expert_attach import ExpertShard
 from engine.parallel.launcher import RankGroup, Rendezvous
+from engine.threads import pin_cpus
 from engine.weights import load_checkpoint
 from expert_svc.core import AttachmentBook, ExpertRank, follow
 from mesh.instance import Instance
@@ -63,12 +62,12 @@ class ExpertInstance(Instance):
         super().__init__(settings, instance_id, registry)
         s = settings
         self.book = AttachmentBook(s.host)
-        checkpoint = load_checkpoint(s.model, DTYPES_BY_NAME[s.dtype])
+        checkpoint = load_checkpoint(s.model, getattr(torch, s.dtype))
         self.shard = ExpertShard(build_model(checkpoint.config, checkpoint.weights, "cpu"), 0, s.ep)
         self.ranks = None
         if s.ep > 1:
-            args = (str(checkpoint.source), s.dtype, self.book.address)
-            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follow, args, rendezvous=Rendezvous.of(s))
+            follower = Call.of(follow, source=str(checkpoint.source), dtype=s.dtype, address=self.book.address)
+            self.ranks = RankGroup(ParallelConfig(ep=s.ep), follower, rendezvous=Rendezvous.of(s))
             try:
                 self.ranks.connect()
             except BaseException as e:
@@ -89,8 +88,8 @@ class ExpertInstance(Instance):
         parts = [self.rank.load()]
         store = self.ranks.store if self.ranks else None
         for r in range(1, self.settings.ep):
-            key = f"load/{r}"
-            parts.append(torch.tensor(json.loads(store.get(key))) if store.check([key])
+            published = store.peek(EXPERT_LOAD.key(r))
+            parts.append(torch.tensor(published.tokens) if published is not None
                          else torch.zeros(len(self.shard.weights), self.shard.placement.count(r), dtype=torch.long))
         return torch.cat(parts, dim=1)
 
@@ -121,7 +120,7 @@ class ExpertInstance(Instance):
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve("expert", ExpertSettings, ExpertInstance, argv)
+    serve("expert", ExpertSettings, ExpertInstance, argv, pin=pin_cpus)
 
 
 if __name__ == "__main__":

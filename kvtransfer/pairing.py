@@ -4,8 +4,8 @@ formed on demand, carrying `kvtransfer.torch_p2p` messages.
 A decode instance hosts a rendezvous store (`shared` -> `PairHost`, on rank 0; its address is the KV
 target's address for this transport on every rank) and every decode rank runs a `PairListener`
 (`Endpoint`). A prefill instance's rank 0 claims the next pair number the first time it pushes to that
-decode instance (`Dialer.prepare`, writing `pair/<k>` = its rank count); the listeners see the key and
-join group `pair-<k>` as ranks `prefill_ranks + decode rank`, each then serving it with a
+decode instance (`Dialer.prepare`: a `control.Store.claim` of its rank count); the listeners see the claim
+and join group `pair-<k>` as ranks `prefill_ranks + decode rank`, each then serving it with a
 `TorchP2PReceiver`. Every prefill rank joins as its CP rank when the step that pushes begins (the
 senders' `open`). Forming a group blocks until every rank of both instances has joined; it happens
 once per pair. A pair whose group fails (a peer died) is dropped on both sides and claimed anew next time.
@@ -16,31 +16,21 @@ from __future__ import annotations
 import datetime
 import threading
 
-import torch.distributed as dist
-
-from engine.parallel.groups import (  # IDLE: the decode side waits for the next transfer
-    IDLE,
-    announcements,
-    hosted_store,
-    stateless_group,
-)
+from engine.parallel.control import Store
+from engine.parallel.groups import IDLE  # the decode side waits for the next transfer
+from kvtransfer.control import PAIR
 from kvtransfer.torch_p2p import TorchP2PReceiver, TorchP2PSender
 from kvtransfer.transport import KVReceiver, KVSender
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a send or acknowledgement on the prefill side
 
 
-def _client(address: str) -> dist.TCPStore:
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
-
-
 class PairHost:
     """The decode instance's pairing store (rank 0), until `close()`."""
 
     def __init__(self, host: str) -> None:
-        self.store = hosted_store(host, 0, TIMEOUT)
-        self.address = f"{host}:{self.store.port}"
+        self.store = Store.host(host, 0, TIMEOUT)
+        self.address = self.store.address
 
     def close(self) -> None:
         self.store = None  # the last reference: the store's server stops
@@ -79,18 +69,18 @@ class PairListener:
 
     def _loop(self) -> None:
         try:
-            store = _client(self.address)
+            self.store = Store.connect(self.address, TIMEOUT)
         except RuntimeError:
             return  # the pairing store is gone: the instance is stopping
-        for pair, prefill_ranks in announcements(store, "pair", self._stop):
+        for pair, prefill_ranks in self.store.claims(PAIR, self._stop):
             threading.Thread(target=self._join, args=(pair, prefill_ranks), daemon=True).start()
 
     def _join(self, pair: int, prefill_ranks: int) -> None:
         """Joining blocks until the prefill ranks join too: on a thread and a store connection of its own
         (a store client runs one operation at a time), not the listener's."""
         try:
-            group = stateless_group(_client(self.address), f"pair-{pair}", prefill_ranks + self.rank,
-                                    prefill_ranks + self.ranks, timeout=TIMEOUT, idle_timeout=IDLE, host=self.host)
+            group = self.store.join(f"{PAIR}-{pair}", prefill_ranks + self.rank, prefill_ranks + self.ranks,
+                                    timeout=TIMEOUT, idle_timeout=IDLE, host=self.host)
         except RuntimeError:
             return  # the prefill side never joined (it died)
         self.receivers[pair] = TorchP2PReceiver(group, self.receiver, range(prefill_ranks),
@@ -107,12 +97,12 @@ class PairLink:
         self._group = None
         self._join = threading.Lock()
 
-    def group(self) -> dist.ProcessGroup:
+    def group(self):
         with self._join:
             if self._group is None:
                 try:
-                    self._group = stateless_group(_client(self.address), f"pair-{self.pair}", self.rank, self.world,
-                                                  timeout=TIMEOUT, host=self.host)
+                    self._group = Store.connect(self.address, TIMEOUT).join(f"{PAIR}-{self.pair}", self.rank,
+                                                                            self.world, timeout=TIMEOUT, host=self.host)
                 except RuntimeError:
                     self.broken = True
                     raise
@@ -145,10 +135,7 @@ class Dialer:
             pair = self._claims.get(address)
             link = self._links.get((address, pair))
             if pair is None or (link is not None and link.broken):
-                store = _client(address)
-                pair = store.add("pairs", 1)
-                store.set(f"pair/{pair}", str(self.ranks))
-                self._claims[address] = pair
+                pair = self._claims[address] = Store.connect(address, TIMEOUT).claim(PAIR, self.ranks)
             return pair
 
     def link(self, address: str, pair: int, decode_ranks: int) -> PairLink:

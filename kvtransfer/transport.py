@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -314,3 +314,45 @@ class LoopbackSender(KVSender):
 
     def _finish(self, timeout_s: float) -> None:
         pass
+
+
+# ---- the parts each transport module provides (kvtransfer.transports)
+
+
+class Links(Protocol):
+    """What the hosting service lends a transport: gRPC channels and servers with the service's settings."""
+
+    host: str
+
+    def channel(self, address: str) -> Any: ...
+
+    def serve(self, services: list) -> str: ...
+
+
+class Dialer(Protocol):
+    """A prefill rank's way to push, reused across requests; made as `Dialer(rank, ranks, links)`."""
+
+    def prepare(self, addresses: tuple[str, ...]) -> int:
+        """Rank 0, before a push is published: a link number every rank then passes to `senders`."""
+
+    def senders(self, addresses: tuple[str, ...], link: int, request_id: str, timeout_s: float) -> list[KVSender]:
+        """One sender per decode rank."""
+
+    def close(self) -> None: ...
+
+
+class Shared(Protocol):
+    """What every rank of a decode instance shares, hosted by rank 0 before its ranks start (a store)."""
+
+    address: str
+
+    def close(self) -> None: ...
+
+
+class Endpoint(Protocol):
+    """A decode rank's way to receive into its `KVReceiver`; made as
+    `Endpoint(rank, ranks, receiver, links, shared_address)`."""
+
+    address: str  # what the KV target lists for this rank
+
+    def stop(self) -> None: ...

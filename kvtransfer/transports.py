@@ -1,31 +1,36 @@
 """Every KV transport, by name (settings, CLI) and wire enum (`KVTarget.transport`): one entry each.
 
 Plain Python (no torch): the router validates names and picks wire values here. An entry names the
-module that implements the transport; `Transport.load()` imports it. That module provides
+module that implements the transport; `Transport.load()` imports it and returns its `Parts`, the three
+things every transport module defines (their contracts are the Protocols of `kvtransfer.transport`):
 
-    Dialer(rank, ranks, links)
-        a prefill rank's way to push (reused across requests): `prepare(addresses)` on rank 0 before a
-        push is published (a link number every rank then passes back), `senders(addresses, link,
-        request_id, timeout_s)` one `KVSender` per decode rank, `close()`;
-    shared(host) -> an object with `.address` and `close()`, or None
-        what every rank of a decode instance shares, hosted by rank 0 before its ranks start (a store);
-    Endpoint(rank, ranks, receiver, links, shared_address)
-        a decode rank's way to receive into its `KVReceiver`: `.address` (what the KV target lists for
-        this rank) and `stop()`.
+    Dialer(rank, ranks, links) -> Dialer        a prefill rank's way to push
+    shared(host) -> Shared | None               what the ranks of a decode instance share (rank 0 hosts it)
+    Endpoint(rank, ranks, receiver, links, shared_address) -> Endpoint
+                                                a decode rank's way to receive
 
-`links` is what the hosting service lends: `host`, `channel(address)` and `serve(services) -> address`
-(gRPC channels and servers with the service's settings). Adding a transport is one module and one
-entry in `TRANSPORTS`.
+`links` is what the hosting service lends (`kvtransfer.transport.Links`). Adding a transport is one
+module and one entry in `TRANSPORTS`.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from types import ModuleType
+from typing import TYPE_CHECKING, Callable
 
 from engine.errors import Unsupported
 from protos.infermesh.v1 import internal_pb2
+
+if TYPE_CHECKING:
+    from kvtransfer.transport import Dialer, Endpoint, Shared
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    dialer: Callable[..., Dialer]
+    shared: Callable[[str], Shared | None]
+    endpoint: Callable[..., Endpoint]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +40,12 @@ class Transport:
     module: str
     cpu_only: bool = False  # its receiver needs gloo (CPU caches)
 
-    def load(self) -> ModuleType:
-        return importlib.import_module(self.module)
+    def load(self) -> Parts:
+        module = importlib.import_module(self.module)
+        missing = [name for name in ("Dialer", "shared", "Endpoint") if not hasattr(module, name)]
+        if missing:
+            raise TypeError(f"transport {self.name}: {self.module} does not define {', '.join(missing)}")
+        return Parts(dialer=module.Dialer, shared=module.shared, endpoint=module.Endpoint)
 
     def usable(self, device: str) -> bool:
         return device == "cpu" or not self.cpu_only

@@ -19,8 +19,12 @@ from typing import Optional
 
 import typer
 
+from engine.engine_config import DEFAULTS as ENGINE
+from engine.limits import DEFAULT_MAX_TOKENS
 from mesh import cli_admin, tls
+from mesh.mesh_spec import MeshSpec
 
+SPEC = MeshSpec()  # the defaults of `up`, and of the settings every command shares (mesh.settings)
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="infermesh: serve LLMs as a mesh of disaggregated roles.")
 
@@ -38,17 +42,18 @@ def _fail(message: str) -> None:
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message with --chat)."),
-    model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
+    model: str = typer.Option(SPEC.model, help="Bundled model name or path to a GGUF file / HF folder."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as a user message."),
-    max_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass, in (0, 1]."),
     top_k: int = typer.Option(0, help="Keep the k most likely tokens; 0 disables."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
-    quantization: str = typer.Option("none", help="none | int8 (weight-only: faster decode at few streams)."),
-    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+    dtype: str = typer.Option(ENGINE.dtype, help="float32 | bfloat16 | float16."),
+    quantization: str = typer.Option(ENGINE.quantization, help="none | int8 (weight-only: faster decode at few "
+                                                               "streams)."),
+    batch_invariant: bool = typer.Option(ENGINE.batch_invariant, "--batch-invariant/--no-batch-invariant",
                                          help="Off: faster CPU decode in float32 at 1-8 rows (engine/model.py, "
                                               "Linear) and of int8 weights at 2-64 rows on AMX (engine/quantize.py)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks (local processes)."),
@@ -171,9 +176,9 @@ def _remote_stream(target: str, prompt: str, chat: bool, sampling: dict):
 
 @app.command()
 def up(
-    model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
-    host: str = typer.Option("127.0.0.1", help="Interface every process binds."),
-    port: int = typer.Option(8000, help="The router's public port (0: any free port)."),
+    model: str = typer.Option(SPEC.model, help="Bundled model name or path to a GGUF file / HF folder."),
+    host: str = typer.Option(SPEC.host, help="Interface every process binds."),
+    port: int = typer.Option(SPEC.port, help="The router's public port (0: any free port)."),
     http_port: Optional[int] = typer.Option(
         None, help="Also serve the OpenAI-compatible HTTP API on this port (0: any free port)."),
     prefill: int = typer.Option(1, help="Prefill instances (0: decode instances prefill everything)."),
@@ -181,24 +186,27 @@ def up(
     decode: int = typer.Option(1, help="Decode instances."),
     decode_tp: int = typer.Option(1, help="Tensor-parallel ranks per decode instance."),
     local_prefill_max_tokens: int = typer.Option(
-        64, help="Prompts whose uncached part is at most this many tokens are prefilled on decode."),
+        SPEC.local_prefill_max_tokens, help="Prompts whose uncached part is at most this many tokens are prefilled "
+                                            "on decode."),
     kv_transport: str = typer.Option(
-        "grpc_stream", help="grpc_stream | torch_p2p | shared_memory (one host): how prefill pushes KV to decode."),
+        SPEC.kv_transport, help="grpc_stream | torch_p2p | shared_memory (one host): how prefill pushes KV to "
+                                "decode."),
     experts: int = typer.Option(0, help="Expert instances hosting an MoE model's experts (0: inside each instance)."),
     expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
-    registry: str = typer.Option("memory", help="memory (served by this process) | redis://HOST:PORT"),
-    trace: str = typer.Option("none", help="none | console | otlp | file:PATH"),
-    metrics: str = typer.Option("none", help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16."),
-    quantization: str = typer.Option("none", help="none | int8 (prefill and decode weights)."),
-    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+    registry: str = typer.Option(SPEC.registry, help="memory (served by this process) | redis://HOST:PORT"),
+    trace: str = typer.Option(SPEC.trace, help="none | console | otlp | file:PATH"),
+    metrics: str = typer.Option(SPEC.metrics, help="OpenTelemetry metrics: none | console | otlp | file:PATH"),
+    dtype: str = typer.Option(SPEC.dtype, help="float32 | bfloat16 | float16."),
+    quantization: str = typer.Option(SPEC.quantization, help="none | int8 (prefill and decode weights)."),
+    batch_invariant: bool = typer.Option(SPEC.batch_invariant, "--batch-invariant/--no-batch-invariant",
                                          help="Off: faster CPU decode in float32 at 1-8 streams and of int8 "
                                               "weights at 2-64 on AMX; a row's result then depends on its batch "
                                               "(engine/model.py, Linear; engine/quantize.py)."),
     max_num_batched_tokens: int = typer.Option(
-        2048, help="Tokens an engine step takes (prompt chunks and decode rows): smaller chunks a long prompt's "
-                   "prefill, so streams decoding beside it wait less per step, and it takes longer."),
-    cpus: str = typer.Option("split", help="split: each engine instance its own share of this host's cores "
+        SPEC.max_num_batched_tokens, help="Tokens an engine step takes (prompt chunks and decode rows): smaller "
+                                          "chunks a long prompt's prefill, so streams decoding beside it wait less "
+                                          "per step, and it takes longer."),
+    cpus: str = typer.Option(SPEC.cpus, help="split: each engine instance its own share of this host's cores "
                                            "(by ranks), a one-rank decode instance running steps on prefill's "
                                            "while they idle; shared: every instance may use every core."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
@@ -220,7 +228,7 @@ def up(
 @app.command()
 def demo(
     prompt: str = typer.Option("What is the capital of France?", help="Asked as a chat message."),
-    model: str = typer.Option("smollm2-135m", help="Bundled model name or path to a GGUF file / HF folder."),
+    model: str = typer.Option(SPEC.model, help="Bundled model name or path to a GGUF file / HF folder."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16."),
 ) -> None:
     """Start a local mesh (a prefill instance of two context-parallel ranks, one decode instance, a router),
@@ -245,7 +253,7 @@ def _mesh(spec: dict, log_dir: str | None):
     import threading
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no fork notices from its handlers
-    from mesh.supervisor import MeshError, MeshSpec, Supervisor
+    from mesh.supervisor import MeshError, Supervisor
 
     try:
         supervisor = Supervisor(MeshSpec(**spec), log_dir)

@@ -56,20 +56,18 @@ class Heartbeat:
             self.registry.close()
 
 
-def serve(role: str, settings_class, start, argv: list[str] | None = None) -> None:
-    """The `main` of a service: `start(settings)` returns a serving `mesh.instance.Instance`."""
+def serve(role: str, settings_class, start, argv: list[str] | None = None, *,
+          pin: Callable[[str, str], None] | None = None) -> None:
+    """The `main` of a service: `start(settings)` returns a serving `mesh.instance.Instance`. An engine
+    service passes `pin` (`engine.threads.pin_cpus`): its `cpus` and `borrow_cpus` settings applied first."""
     from mesh.settings import load, parse_flags
     from mesh.telemetry import setup_tracing
 
     if "INFERMESH_PARENT_PID" in os.environ:  # started by `infermesh up`: die with it, even if it is killed
         die_with_parent(int(os.environ["INFERMESH_PARENT_PID"]))
     settings = load(settings_class, parse_flags(settings_class, argv))
-    if getattr(settings, "cpus", ""):  # an engine instance handed cores of its own (`infermesh up`)
-        from engine.cpus import parse_cpus
-        from engine.threads import pin
-
-        borrowable = getattr(settings, "borrow_cpus", "")
-        pin(parse_cpus(settings.cpus), parse_cpus(borrowable) if borrowable else ())
+    if pin is not None:
+        pin(settings.cpus, getattr(settings, "borrow_cpus", ""))
     setup_tracing(settings.trace, role)
     instance = start(settings)
     http = instance.record().http_address

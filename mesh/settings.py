@@ -1,9 +1,14 @@
-"""Settings of each service: one frozen dataclass per role.
+"""Settings of each service: one frozen dataclass per role, each setting declared once (type, default, check).
 
 Every field can come from an `INFERMESH_<FIELD>` environment variable (parsed by
 the field's type) and be overridden by a CLI flag: `load(cls, flags)` applies
-defaults, then the environment, then the flags that were given (not None).
+defaults, then the environment, then the flags that were given (`parse_flags` returns
+those alone; None is a value: `--metrics-port none` turns the metrics port off).
 Bad values raise ValueError naming the variable or flag and the value.
+`to_flags(settings)` is the inverse of `parse_flags`: the flags that make a service
+started in the same environment load exactly `settings` (how `infermesh up` starts its
+children). Secrets (fields kept out of the repr) are never rendered as flags: they
+travel in the environment, where `ps` does not show them.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import os
 import typing
 from dataclasses import dataclass
 
-from engine.config import check_quantization
 from engine.cpus import parse_cpus
+from engine.engine_config import DEFAULTS as ENGINE
+from engine.engine_config import EngineConfig
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -57,7 +63,7 @@ class RankedSettings(ServiceSettings):
     """An instance of ranks (prefill, decode, expert): rank 0 hosts their rendezvous on host:rendezvous_port;
     the first `local_ranks` ranks run here (None: all), the others join from elsewhere (`infermesh rank`)."""
 
-    dtype: str = "bfloat16"
+    dtype: str = ENGINE.dtype
     rendezvous_port: int = 0  # 0: any free port (fix it when ranks join from other hosts)
     local_ranks: int | None = None
     cpus: str = ""  # the cores its local ranks run on, e.g. 0-3 (engine.cpus); "": every core the process may use
@@ -74,21 +80,22 @@ class RankedSettings(ServiceSettings):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineSettings(RankedSettings):
-    device: str = "cpu"  # or cuda: rank i of a host uses its GPU i mod the GPUs it sees; NCCL between ranks
-    block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    quantization: str = "none"  # or int8: weight-only int8 projections (engine/quantize.py)
-    # false: faster fp32 CPU decode at 1-8 streams (rows not GEMM's; engine/model.py), int8 on AMX at 2-64 (a row
-    # alone not as in a batch; engine/quantize.py)
-    batch_invariant: bool = True
+    """An engine instance (prefill, decode): the engine's settings take their defaults and checks from
+    `engine.engine_config.EngineConfig`, where they are declared."""
+
+    device: str = ENGINE.device  # or cuda: rank i of a host uses its GPU i mod the GPUs it sees; NCCL between ranks
+    block_size: int = ENGINE.block_size
+    kv_cache_bytes: int = ENGINE.kv_cache_bytes
+    max_num_seqs: int = ENGINE.max_num_seqs
+    max_num_batched_tokens: int = ENGINE.max_num_batched_tokens
+    quantization: str = ENGINE.quantization
+    batch_invariant: bool = ENGINE.batch_invariant
     experts: str = ""  # host:port of an expert instance to run the MoE experts on ("": on this instance's ranks)
     expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
 
     def __post_init__(self) -> None:
         super(EngineSettings, self).__post_init__()
-        check_quantization(self.quantization)
+        EngineConfig.from_settings(self)  # the engine's own checks, named as settings
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,14 +169,14 @@ S = typing.TypeVar("S", bound=ServiceSettings)
 
 
 def load(cls: type[S], flags: dict[str, object] | None = None, environ: typing.Mapping[str, str] = os.environ) -> S:
-    """Defaults, then INFERMESH_* variables, then the flags that were given."""
+    """Defaults, then INFERMESH_* variables, then `flags` (every value in it, None included)."""
     hints = typing.get_type_hints(cls)
     values: dict[str, object] = {}
     for f in dataclasses.fields(cls):
         name = ENV_PREFIX + f.name.upper()
         if name in environ:
             values[f.name] = _parse(environ[name], hints[f.name], name)
-    values.update({k: v for k, v in (flags or {}).items() if v is not None})
+    values.update(flags or {})
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"unknown setting(s) for {cls.__name__}: {', '.join(sorted(unknown))}")
@@ -177,16 +184,36 @@ def load(cls: type[S], flags: dict[str, object] | None = None, environ: typing.M
 
 
 def parse_flags(cls: type[ServiceSettings], argv: list[str] | None = None) -> dict[str, object]:
-    """`--field-name VALUE` flags for every field of `cls` (the ones given; the rest stay None)."""
+    """The `--field-name VALUE` flags given, of the fields of `cls`, by field name."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
                             type=(lambda text, k=kind, n=f.name: _parse(text, k, f"--{n.replace('_', '-')}")))
     return vars(parser.parse_args(argv))
+
+
+def to_flags(settings: ServiceSettings, environ: typing.Mapping[str, str] = os.environ) -> list[str]:
+    """`--field-name VALUE` for every field whose value differs from what the defaults and `environ` give, so
+    that `load(cls, parse_flags(cls, to_flags(s)), environ) == s` (secrets aside: they are not rendered)."""
+    baseline = load(type(settings), {}, environ)
+    flags = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.repr and value != getattr(baseline, f.name):
+            flags += [f"--{f.name.replace('_', '-')}", _render(value)]
+    return flags
+
+
+def _render(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def _parse(text: str, kind, name: str) -> object:

@@ -19,6 +19,7 @@ if it is killed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import signal
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -36,52 +37,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.cpus import available_cores, format_cpus, share
 from engine.errors import RequestError, Unsupported
 from mesh import auth, rpc
+from mesh.mesh_spec import MeshSpec
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 from mesh.registry.memory import MemoryRegistry
 from mesh.registry.remote import RegistryService, from_role
 from mesh.service import Heartbeat
+from mesh.settings import (
+    DecodeSettings,
+    ExpertSettings,
+    PrefillSettings,
+    RankedSettings,
+    RouterSettings,
+    ServiceSettings,
+    load,
+    to_flags,
+)
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 
 
 class MeshError(RuntimeError):
     """The mesh could not start or lost a process; the message names it and shows its last log lines."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeshSpec:
-    model: str = "smollm2-135m"
-    host: str = "127.0.0.1"
-    port: int = 8000  # the router's public port
-    prefill: int = 1
-    prefill_cp: int = 1
-    decode: int = 1
-    decode_tp: int = 1
-    local_prefill_max_tokens: int = 64  # the router prefills shorter uncached parts on decode
-    kv_transport: str = "grpc_stream"  # or torch_p2p
-    http_port: int | None = None  # the router's OpenAI-compatible HTTP front (0: any free port; None: off)
-    experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
-    expert_ep: int = 1  # EP ranks per expert instance
-    registry: str = "memory"
-    trace: str = "none"
-    metrics: str = "none"
-    dtype: str = "bfloat16"
-    quantization: str = "none"  # or int8 (prefill and decode weights)
-    batch_invariant: bool = True  # false: the few-row CPU kernel on prefill and decode (engine/model.py, Linear)
-    kv_cache_bytes: int = 1 << 30
-    max_num_batched_tokens: int = 2048  # tokens an engine step takes: prompt chunks and decode rows
-    cpus: str = "split"  # split: each engine instance its own share of this host's cores (engine.cpus); shared
-    startup_timeout_s: float = 300.0
-    admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
-
-    def __post_init__(self) -> None:
-        if self.decode < 1:
-            raise ValueError(f"decode must be >= 1 (someone has to generate), got {self.decode}")
-        if self.prefill < 0:
-            raise ValueError(f"prefill must be >= 0, got {self.prefill}")
-        if self.experts < 0 or self.expert_ep < 1:
-            raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
-        if self.cpus not in ("split", "shared"):
-            raise ValueError(f"cpus must be split or shared, got {self.cpus!r}")
 
 
 @dataclass
@@ -93,6 +68,8 @@ class Child:
 
 
 SCALABLE = (Role.PREFILL, Role.DECODE)
+MODULES = {Role.PREFILL: "prefill_svc.server", Role.DECODE: "decode_svc.server", Role.EXPERT: "expert_svc.server",
+           Role.ROUTER: "router.server"}  # each role's service, started by module name
 
 
 class Supervisor:
@@ -107,7 +84,7 @@ class Supervisor:
         self.http_address = ""  # the router's HTTP front, when asked for
         self._lock = threading.Lock()  # children: scale runs on gRPC threads, check_children on the main one
         self._scaling = threading.Lock()  # one scale at a time
-        self._commands: dict[Role, tuple[str, list[str]]] = {}  # role -> (module, args) of a new instance
+        self._settings: dict[Role, ServiceSettings] = {}  # role -> what its instances load
         self._numbers = {role: itertools.count() for role in SCALABLE}  # names: prefill-0, prefill-1, ...
         self._attached = itertools.count()  # instances attach to the expert instances round-robin
         self._experts: list[str] = []
@@ -125,28 +102,28 @@ class Supervisor:
         address = f"{s.host}:{port}"
         if s.registry == "memory":
             self.registry_address = f"grpc://{address}"
-        common = ["--model", s.model, "--registry", self.registry_address, "--trace", s.trace, "--metrics",
-                  s.metrics, "--host", s.host]
-        engine = ["--dtype", s.dtype, "--quantization", s.quantization, "--kv-cache-bytes", str(s.kv_cache_bytes),
-                  "--batch-invariant", str(s.batch_invariant).lower(),
-                  "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-        shared = ["--shared-kv-cache", "true"] if s.kv_transport == "shared_memory" else []  # decode reads it in place
-        self._commands = {Role.PREFILL: ("prefill_svc.server", common + engine + ["--cp", str(s.prefill_cp)] + shared),
-                          Role.DECODE: ("decode_svc.server", common + engine + ["--tp", str(s.decode_tp)])}
+        common = dict(model=s.model, registry=self.registry_address, trace=s.trace, metrics=s.metrics, host=s.host)
+        engine = dict(common, dtype=s.dtype, quantization=s.quantization, kv_cache_bytes=s.kv_cache_bytes,
+                      batch_invariant=s.batch_invariant, max_num_batched_tokens=s.max_num_batched_tokens)
+        self._settings = {  # what each role's instances load (the environment fills what the spec leaves out)
+            Role.PREFILL: load(PrefillSettings, dict(engine, cp=s.prefill_cp,  # decode reads its KV cache in place:
+                                                     shared_kv_cache=s.kv_transport == "shared_memory")),
+            Role.DECODE: load(DecodeSettings, dict(engine, tp=s.decode_tp)),
+            Role.EXPERT: load(ExpertSettings, dict(common, dtype=s.dtype, ep=s.expert_ep)),
+            Role.ROUTER: load(RouterSettings, dict(common, port=s.port, kv_transport=s.kv_transport,
+                                                   local_prefill_max_tokens=s.local_prefill_max_tokens,
+                                                   **({} if s.http_port is None else {"http_port": s.http_port}))),
+        }
         self._cores = self._plan_cores()
         try:
             for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
-                self._spawn(f"expert-{i}", Role.EXPERT, "expert_svc.server",
-                            common + ["--dtype", s.dtype, "--ep", str(s.expert_ep)] + self._cpus(Role.EXPERT, i))
+                self._spawn(f"expert-{i}", Role.EXPERT, self._instance_settings(Role.EXPERT, i))
             if s.experts:
                 self._experts = [e.address for e in self._wait_for({Role.EXPERT: s.experts}, returning=Role.EXPERT)]
             for role, count in ((Role.PREFILL, s.prefill), (Role.DECODE, s.decode)):
                 for _ in range(count):
                     self._spawn_instance(role)
-            http = ["--http-port", str(s.http_port)] if s.http_port is not None else []
-            self._spawn("router", Role.ROUTER, "router.server", common + http + [
-                "--port", str(s.port), "--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
-                "--kv-transport", s.kv_transport])
+            self._spawn("router", Role.ROUTER, self._settings[Role.ROUTER])
             (router,) = self._wait_for({Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
                                        returning=Role.ROUTER, healthy=True)
             self.router_address, self.http_address = router.address, router.http_address
@@ -172,35 +149,40 @@ class Supervisor:
             plan.setdefault(role, []).append(cores)
         return plan
 
-    def _cpus(self, role: Role, number: int) -> list[str]:
-        """The --cpus flag of the role's instance `number`; one started by `scale` past the plan shares the
-        cores of a planned instance of its role in turn (none planned: no flag, every core). A decode instance
-        of one rank may borrow the prefill instances' cores (--borrow-cpus)."""
+    def _cpus(self, role: Role, number: int) -> dict[str, str]:
+        """The cores of the role's instance `number` (cpus=split), as its settings' `cpus` and `borrow_cpus`; one
+        started by `scale` past the plan shares the cores of a planned instance of its role in turn (none
+        planned: every core). A decode instance of one rank may borrow the prefill instances' cores."""
         cores = self._cores[role][number % len(self._cores[role])] if self._cores.get(role) else []
         if not cores:
-            return []
-        flags = ["--cpus", format_cpus(cores)]
+            return {}
         lendable = {core for share in self._cores.get(Role.PREFILL, []) for core in share} - set(cores)
         if role is Role.DECODE and self.spec.decode_tp == 1 and lendable:
-            flags += ["--borrow-cpus", format_cpus(lendable)]
-        return flags
+            return {"cpus": format_cpus(cores), "borrow_cpus": format_cpus(lendable)}
+        return {"cpus": format_cpus(cores)}
+
+    def _instance_settings(self, role: Role, number: int) -> RankedSettings:
+        """The settings of the role's instance `number`: its cores and, for prefill and decode, the expert
+        instance it attaches to (round-robin)."""
+        attach = {"experts": self._experts[next(self._attached) % len(self._experts)]} \
+            if role in SCALABLE and self._experts else {}
+        return dataclasses.replace(self._settings[role], **self._cpus(role, number), **attach)
 
     def _spawn_instance(self, role: Role) -> Child:
-        module, args = self._commands[role]
-        attach = ["--experts", self._experts[next(self._attached) % len(self._experts)]] if self._experts else []
         number = next(self._numbers[role])
-        return self._spawn(f"{role.value}-{number}", role, module, args + attach + self._cpus(role, number))
+        return self._spawn(f"{role.value}-{number}", role, self._instance_settings(role, number))
 
     def _environment(self) -> dict[str, str]:
         """A child's: this process's, its parent pid, the admin token (never on a command line, where ps shows it)."""
         token = {auth.ADMIN_TOKEN_ENV: self.spec.admin_token} if self.spec.admin_token else {}
         return {**os.environ, "INFERMESH_PARENT_PID": str(os.getpid()), **token}
 
-    def _spawn(self, name: str, role: Role, module: str, args: list[str]) -> Child:
-        log = self.log_dir / f"{name}.log"
+    def _spawn(self, name: str, role: Role, settings: ServiceSettings) -> Child:
+        """`python -m <role's service> <its flags>`, rendered from `settings` (mesh.settings.to_flags)."""
+        log, environment = self.log_dir / f"{name}.log", self._environment()
+        argv = [sys.executable, "-m", MODULES[role], *to_flags(settings, environment)]
         with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
-            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
-                                       env=self._environment())
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environment)
         child = Child(name, role, process, log)
         with self._lock:
             self.children.append(child)

@@ -24,6 +24,7 @@ from engine.errors import Cancelled, Draining, PeerFailed
 from engine.loop import EngineLoop
 from engine.parallel.cp_choice import CPChoice
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from kvtransfer.control import PushSpec
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.transport import TransferError, TransferStats
 from mesh.telemetry import outgoing_metadata
@@ -78,7 +79,7 @@ class PrefillCore:
                 addresses: list[str], transport: str = "grpc_stream") -> PrefillResult:
         """`addresses`: per decode rank, where its endpoint of `transport` (kvtransfer.transports) is."""
         started = time.perf_counter()
-        spec = push.PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
+        spec = PushSpec(num_tokens=len(prompt), num_kv_heads=self.engine.model_config.num_kv_heads,
                              block_size=self.engine.config.block_size, target=target, addresses=tuple(addresses),
                              timeout_s=self.transfer_timeout_s, transport=transport,
                              trace_context=tuple(outgoing_metadata()))

@@ -12,18 +12,19 @@ draining or a failed engine -> UNAVAILABLE (and the instance reports itself DRAI
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
 from engine import cpu_lending
 from engine.core import EngineConfig, EngineCore
 from engine.errors import RequestError
+from engine.limits import DEFAULT_MAX_TOKENS
 from engine.parallel.context import ExpertAttachment, ParallelConfig
+from engine.parallel.control import Call
 from engine.parallel.cp_choice import CPMethod
 from engine.parallel.launcher import Rendezvous
 from engine.sampling_params import SamplingParams
-from engine.threads import off_the_engine_thread
+from engine.threads import off_the_engine_thread, pin_cpus
 from engine.weights import load_checkpoint
 from kvtransfer import transports
 from kvtransfer.plan import DecodeLayout
@@ -54,7 +55,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             self.instance.admit()
             target = request.target
             transport = transports.by_wire(target.transport)
-            params = SamplingParams(**sampling_kwargs(request.sampling))
+            params = SamplingParams(**sampling_kwargs(request.sampling, DEFAULT_MAX_TOKENS))
             try:
                 layout = DecodeLayout(head_ranges=tuple((h.start, h.end) for h in target.head_ranges),
                                       block_size=target.block_size, block_table=tuple(target.block_table),
@@ -116,7 +117,7 @@ class PrefillInstance(Instance):
         config = EngineConfig.from_settings(s)
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.cp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = functools.partial(push_kv, trace_spec=s.trace) if s.cp > 1 else None
+        followers = Call.of(push_kv, trace_spec=s.trace) if s.cp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None)
@@ -164,7 +165,7 @@ class PrefillInstance(Instance):
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve("prefill", PrefillSettings, PrefillInstance, argv)
+    serve("prefill", PrefillSettings, PrefillInstance, argv, pin=pin_cpus)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,20 @@
 """Between wire messages and plain values (no engine import: services pass the result on).
 
-Unset optional fields take the defaults (`max_tokens` 256, `top_p` 1.0); a value that
-is set is passed on, so a bad one is refused by name. `temperature` 0 (unset) is greedy.
+Unset optional fields take the defaults (`top_p` 1.0; `max_tokens` the caller's, `engine.limits`); a value
+that is set is passed on, so a bad one is refused by name. `temperature` 0 (unset) is greedy.
 """
 
 from __future__ import annotations
 
 from protos.infermesh.v1 import common_pb2
 
-DEFAULT_MAX_TOKENS = 256
 FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
                   "abort": common_pb2.FINISH_REASON_ABORT}
 
 
-def sampling_kwargs(msg: common_pb2.SamplingParams) -> dict:
+def sampling_kwargs(msg: common_pb2.SamplingParams, default_max_tokens: int) -> dict:
     """Keyword arguments for the engine's SamplingParams."""
-    return dict(max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+    return dict(max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
                 temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
                 top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
                 stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,

@@ -36,6 +36,7 @@ from opentelemetry import trace
 
 from engine.block_manager import prefix_hashes
 from engine.errors import DeadlineExceeded, RequestError, ServingError, UnknownModel
+from engine.limits import DEFAULT_MAX_TOKENS
 from engine.model_info import load_model_info
 from engine.sampling_params import SamplingParams
 from kvtransfer import transports
@@ -122,18 +123,20 @@ class RouterCore:
 
     # ---- the stream ------------------------------------------------------------------------
 
-    async def stream(self, ids: list[int], sampling: common_pb2.SamplingParams, request_id: str,
-                     call) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """Deltas, then one final response (with the prompt's ids and timings), of one admitted request."""
+    async def stream(self, ids: list[int], sampling: common_pb2.SamplingParams, request_id: str, call,
+                     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Deltas, then one final response (with the prompt's ids and timings), of one admitted request.
+        `default_max_tokens`: what an unset `max_tokens` means on the calling face (`engine.limits`)."""
         started = time.monotonic()
         self.active += 1
         outcome = "ok"
         try:
             try:
-                SamplingParams(**sampling_kwargs(sampling))  # refuse bad parameters before any instance sees them
+                SamplingParams(**sampling_kwargs(sampling, DEFAULT_MAX_TOKENS))  # bad ones: refused before any instance
             except RequestError as e:
                 raise RequestError(f"sampling: {e}", param=e.param) from None
-            sampling = fit(ids, sampling, self.config.vocab_size, self.config.max_model_len)
+            sampling = fit(ids, sampling, self.config.vocab_size, self.config.max_model_len, default_max_tokens)
             async for response in self._stream(request_id, ids, sampling, call, started):
                 if response.HasField("final"):
                     self._record(response.final)

@@ -109,19 +109,13 @@ class OpenAIResponse:
 
     async def _produce(self, queue: asyncio.Queue, index: int, ids: list[int], choice: int) -> None:
         try:
-            async for response in self.core.stream(ids, self._sampling(ids, choice), f"{self.id}-{index}",
-                                                   self.call):
+            async for response in self.core.stream(ids, self.job.choice_sampling(choice), f"{self.id}-{index}",
+                                                   self.call, self.job.default_max_tokens):
                 queue.put_nowait((index, response))
         except ServingError as e:
             queue.put_nowait((index, e))
         except Exception as e:  # noqa: BLE001 - a bug must still end the choice, and say so
             queue.put_nowait((index, PeerFailed(f"the router failed: {e!r}")))
-
-    def _sampling(self, ids: list[int], choice: int):
-        sampling = self.job.choice_sampling(choice)
-        if not sampling.HasField("max_tokens"):  # chat without a limit: the rest of the context
-            sampling.max_tokens = max(1, self.core.config.max_model_len - len(ids))
-        return sampling
 
     def _token_text(self, token_id: int) -> str:
         return self.core.tokenizer.decode([token_id], skip_special_tokens=False)

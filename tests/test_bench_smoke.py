@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -19,7 +21,6 @@ def run_quick(script: str, *args: str, timeout: int) -> subprocess.CompletedProc
     return proc
 
 
-@pytest.mark.slow
 def test_engine_bench_runs():
     proc = run_quick("engine.py", timeout=600)
     assert "| infermesh | bfloat16 |" in proc.stdout and "| transformers | float32 |" in proc.stdout
@@ -36,7 +37,6 @@ def test_parallel_bench_runs():
     assert "| 4096 |" in proc.stdout
 
 
-@pytest.mark.slow
 def test_parallel_engine_bench_runs():
     proc = run_quick("parallel_engine.py", timeout=600)
     assert "| CP=2 (pass_kv) |" in proc.stdout and "| TP=2 |" in proc.stdout and "| 16 |" in proc.stdout
@@ -79,14 +79,12 @@ def test_mesh_bench_runs():
     assert "| router, token ids |" in proc.stdout and "| decode directly |" in proc.stdout
 
 
-@pytest.mark.slow
 def test_serve_bench_runs(tmp_path):
     proc = run_quick("serve.py", "--plot", str(tmp_path / "serve.png"), timeout=600)
     assert "| colocated |" in proc.stdout and "| disaggregated |" in proc.stdout
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_push_bench_runs():
     proc = run_quick("push.py", timeout=600)
     assert "| prefilled on decode |" in proc.stdout and "| prefill + decode, shared_memory |" in proc.stdout

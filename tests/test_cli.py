@@ -17,6 +17,7 @@ def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([INFERMESH, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_json_reports_ids_usage_and_timings(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     proc = run("generate", "hello world", "--model", str(folder), "--max-tokens", "6", "--ignore-eos",
@@ -31,6 +32,7 @@ def test_generate_json_reports_ids_usage_and_timings(tiny_checkpoint):
     assert set(result["timings"]) == {"ttft_s", "tokens_per_s"}
 
 
+@pytest.mark.slow
 def test_generate_over_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     common = ("generate", "hello world", "--model", str(folder), "--max-tokens", "6", "--ignore-eos",

@@ -19,7 +19,8 @@ from engine import LLM, SamplingParams
 from mesh.registry import MemoryRegistry, Role
 from mesh.settings import DecodeSettings, RouterSettings
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import wait_until
 from tests.test_router import generate
 
 STREAMS = 40

@@ -22,7 +22,7 @@ from engine.weights import load_checkpoint
 from mesh.registry import Role
 from mesh.settings import DecodeSettings, load
 from mesh.supervisor import MeshSpec, Supervisor
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 OWNER, BORROWER = 0, 1  # the cores of the tests' owner (prefill) and borrower (decode)
 
@@ -174,12 +174,12 @@ def test_up_lends_the_prefill_cores_of_a_split_mesh_to_a_decode_instance_of_one_
     decode, prefill = share(available_cores(), [1, 1])
     flags = Supervisor(MeshSpec(prefill=1), log_dir=str(tmp_path))
     flags._cores = flags._plan_cores()
-    assert flags._cpus(Role.DECODE, 0) == ["--cpus", format_cpus(decode), "--borrow-cpus", format_cpus(prefill)]
-    assert flags._cpus(Role.PREFILL, 0) == ["--cpus", format_cpus(prefill)]  # prefill's chunks never borrow
+    assert flags._cpus(Role.DECODE, 0) == {"cpus": format_cpus(decode), "borrow_cpus": format_cpus(prefill)}
+    assert flags._cpus(Role.PREFILL, 0) == {"cpus": format_cpus(prefill)}  # prefill's chunks never borrow
 
     tp2 = Supervisor(MeshSpec(prefill=1, decode_tp=2), log_dir=str(tmp_path))
     tp2._cores = tp2._plan_cores()
-    assert "--borrow-cpus" not in tp2._cpus(Role.DECODE, 0)  # its ranks step together: none borrows alone
+    assert "borrow_cpus" not in tp2._cpus(Role.DECODE, 0)  # its ranks step together: none borrows alone
 
     with pytest.raises(ValueError, match="borrow_cpus needs cpus"):
         load(DecodeSettings, {"borrow_cpus": "1"})

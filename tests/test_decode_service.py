@@ -23,7 +23,8 @@ from mesh.settings import DecodeSettings
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 from router.decode_streams import DecodeStreams
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import kv_blocks_used, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -89,9 +90,6 @@ def test_prefill_locally_and_recompute_after_a_failed_transfer_give_the_same_tok
     assert local == recomputed == expected.token_ids
 
 
-def blocks_used(admin) -> int:
-    return admin.Status(internal_pb2.StatusRequest(), timeout=10).kv_blocks_used
-
 
 def test_cancelling_a_stream_frees_its_blocks(decode):
     _, stub, admin, _ = decode
@@ -100,12 +98,12 @@ def test_cancelling_a_stream_frees_its_blocks(decode):
                                                   prompt_token_ids=prompt(40, seed=2), sampling=sampling_message(long)))
     first = next(call)
     assert first.delta.token_ids  # tokens arrive before the request is done
-    assert blocks_used(admin) > 0
+    assert kv_blocks_used(admin) > 0
     call.cancel()
     deadline = time.monotonic() + 30
-    while blocks_used(admin) and time.monotonic() < deadline:
+    while kv_blocks_used(admin) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert blocks_used(admin) == 0
+    assert kv_blocks_used(admin) == 0
 
 
 def test_bad_requests_get_clear_status_codes_and_the_service_keeps_serving(decode):
@@ -129,7 +127,7 @@ def test_bad_requests_get_clear_status_codes_and_the_service_keeps_serving(decod
         collect(stub.Decode(internal_pb2.DecodeRequest(request_id="nobody", kv_status=internal_pb2.KV_STATUS_READY),
                             timeout=30))
     assert e.value.code() is grpc.StatusCode.NOT_FOUND
-    assert blocks_used(admin) == 0
+    assert kv_blocks_used(admin) == 0
     after = internal_pb2.DecodeRequest(request_id="after", prefill_locally=True, prompt_token_ids=[5, 6],
                                        sampling=sampling_message(GREEDY))
     tokens, _ = collect(stub.Decode(after, timeout=60))
@@ -194,7 +192,7 @@ def test_requests_on_one_stream_get_their_own_tokens_and_share_its_messages(deco
         if len(finals) == 4:
             done.set()
     assert finals == {f"raw{i}" for i in range(4)} and max(len(ids) for ids in per_message) >= 2
-    wait_until(lambda: blocks_used(admin) == 0)
+    wait_until(lambda: kv_blocks_used(admin) == 0)
 
 
 def test_a_request_that_fails_on_a_stream_fails_alone_with_its_status_code(decode):
@@ -224,7 +222,7 @@ def test_a_request_that_fails_on_a_stream_fails_alone_with_its_status_code(decod
     got = asyncio.run(router())
     (expected,) = LLM(folder, dtype="float32").generate([prompt(9, seed=3)], long)
     assert got == expected.token_ids
-    wait_until(lambda: blocks_used(admin) == 0)
+    wait_until(lambda: kv_blocks_used(admin) == 0)
 
 
 def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and_frees_its_blocks(decode, monkeypatch):
@@ -251,31 +249,31 @@ def test_a_request_cancelled_timed_out_or_left_on_a_closed_stream_is_aborted_and
 
         task = asyncio.create_task(client())
         await first.wait()
-        assert blocks_used(admin) > 0
+        assert kv_blocks_used(admin) > 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await eventually(lambda: blocks_used(admin) == 0)
+        await eventually(lambda: kv_blocks_used(admin) == 0)
 
         late = streams.decode(instance.address, local("c2", prompt(40, seed=5), long), timeout=0.05)
         with pytest.raises(grpc.RpcError) as e:
             await acollect(late)
         assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        await eventually(lambda: blocks_used(admin) == 0)
+        await eventually(lambda: kv_blocks_used(admin) == 0)
 
         tokens, _ = await acollect(streams.decode(instance.address, local("c3", [5, 6]), timeout=60))
         assert len(tokens) == 8  # the same stream serves on
         unread = streams.decode(instance.address, local("c5", prompt(40, seed=7), long), timeout=60)
-        await eventually(lambda: blocks_used(admin) > 0)
+        await eventually(lambda: kv_blocks_used(admin) > 0)
         unread.close()
-        await eventually(lambda: blocks_used(admin) == 0)
+        await eventually(lambda: kv_blocks_used(admin) == 0)
         left = streams.decode(instance.address, local("c4", prompt(40, seed=6), long), timeout=60)
-        assert (await anext(left)).delta.token_ids and blocks_used(admin) > 0
+        assert (await anext(left)).delta.token_ids and kv_blocks_used(admin) > 0
         streams.close()
         with pytest.raises(grpc.RpcError) as e:
             await acollect(left)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-        await eventually(lambda: blocks_used(admin) == 0)
+        await eventually(lambda: kv_blocks_used(admin) == 0)
         await closed(streams, channels)
 
     asyncio.run(router())

@@ -12,7 +12,8 @@ from engine import LLM, SamplingParams
 from engine.core import EngineConfig, EngineCore
 from engine.errors import KVCacheFull, NoReservation, PeerFailed
 from engine.weights import load_checkpoint
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -103,7 +103,7 @@ def test_prompt_longer_than_the_context_is_refused(llm):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(llm):
-    with pytest.raises(RequestError, match=r"prompt token id 99999 is out of range \[0, 320\)"):
+    with pytest.raises(RequestError, match=r"prompt token id 99999 \(at 1\) is out of range \[0, 320\)"):
         llm.generate([[1, 99999]], SamplingParams())
 
 

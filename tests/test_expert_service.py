@@ -34,13 +34,15 @@ from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import assert_exited, descendants, wait_until
 from tests.test_lifecycle import health
-from tests.test_mesh_processes import assert_exited, descendants
 from tests.test_metrics import scrape, value
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import generate
 from tests.test_rpc_and_tracing import by_reflection
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 EXPERT_TIMEOUT_S = 5.0
 

@@ -28,7 +28,8 @@ from kvtransfer.torch_p2p import part_pair
 from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, TransferError, TransferState, run_rows
 from mesh.rpc import start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import wait_until
 from tests.test_local_socket import push_threads
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -31,16 +30,13 @@ from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.conftest import wait_until
+from tests.helpers import kv_blocks_used, wait_until
 from tests.test_decode_service import collect
 from tests.test_lifecycle import LONG
 from tests.test_router import generate
 
 
-def blocks_used(stub) -> int:
-    return stub.Status(internal_pb2.StatusRequest(), timeout=10).kv_blocks_used
-
-
+@pytest.mark.slow
 def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push():
     registry = MemoryRegistry()
     server, port, _ = rpc.start_server("127.0.0.1", 0, [(internal_pb2_grpc.add_RegistryServicer_to_server,
@@ -58,7 +54,7 @@ def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push()
         prompt = [(i * 37) % 40000 + 100 for i in range(3000)]
         target = stub.Reserve(internal_pb2.ReserveRequest(request_id="orphan", prompt_token_ids=prompt,
                                                           sampling=sampling_message(LONG)), timeout=10).target
-        assert blocks_used(admin) >= 3000 // 16
+        assert kv_blocks_used(admin) >= 3000 // 16
         failed = []
 
         def push():
@@ -68,13 +64,22 @@ def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push()
             except grpc.RpcError as e:
                 failed.append(e.code())
 
+        first_piece, receive = threading.Event(), decode.core.receiver.reserved
+
+        def stop_prefill_at_the_first_piece(request_id: str):
+            if not first_piece.is_set():  # it cannot finish the push (nor answer) from here on
+                prefill.send_signal(signal.SIGSTOP)
+                first_piece.set()
+            return receive(request_id)
+
+        decode.core.receiver.reserved = stop_prefill_at_the_first_piece
         pushing = threading.Thread(target=push)
         pushing.start()
-        time.sleep(1.0)  # the 3,000-token prompt takes seconds to prefill here
-        prefill.send_signal(signal.SIGKILL)  # the prefill instance dies mid-way; the "router" never joins
+        assert first_piece.wait(timeout=120)
+        prefill.send_signal(signal.SIGKILL)  # the prefill instance dies mid-push; the "router" never joins
         pushing.join(60)
         assert failed == [grpc.StatusCode.UNAVAILABLE]  # it died before answering
-        wait_until(lambda: blocks_used(admin) == 0, timeout_s=30)  # the lease ran out
+        wait_until(lambda: kv_blocks_used(admin) == 0, timeout_s=30)  # the lease ran out
         with pytest.raises(grpc.RpcError) as e:
             collect(stub.Decode(internal_pb2.DecodeRequest(request_id="orphan",
                                                            kv_status=internal_pb2.KV_STATUS_FAILED), timeout=30))
@@ -84,7 +89,7 @@ def test_a_reservation_nobody_joins_expires_and_frees_its_blocks_even_mid_push()
                                                  sampling=sampling_message(LONG)), timeout=10)
         tokens, _ = collect(stub.Decode(internal_pb2.DecodeRequest(  # joined (to recompute) within its lease
             request_id="joined", kv_status=internal_pb2.KV_STATUS_FAILED), timeout=60))
-        assert len(tokens) == LONG.max_tokens and blocks_used(admin) == 0
+        assert len(tokens) == LONG.max_tokens and kv_blocks_used(admin) == 0
     finally:
         decode.stop()
         prefill.kill()
@@ -96,11 +101,15 @@ def test_each_kv_piece_renews_the_lease(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     decode = DecodeInstance(DecodeSettings(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22,
                                            reservation_lease_s=2.0), registry=MemoryRegistry())
+    now = [0.0]
+    decode.core.clock = lambda: now[0]  # the lease's clock, moved by the test
     try:
         decode.core.reserve("r", [5, 6, 7], LONG)
         for _ in range(3):  # 3.6 s in all, a lease of 2 s: a piece every 1.2 s keeps it
-            time.sleep(1.2)
+            now[0] += 1.2
             assert decode.core.reserved("r") is not None  # what the KV receiver asks for each piece
+        assert "r" in decode.core.reservations
+        now[0] += 2.0
         wait_until(lambda: "r" not in decode.core.reservations, timeout_s=10)  # no more pieces: it expires
         assert decode.core.engine.blocks.num_used_blocks == 0
     finally:
@@ -114,12 +123,21 @@ def test_a_prefill_slower_than_the_lease_is_prefilled_on_decode_with_the_same_to
     prefill = PrefillInstance(PrefillSettings(**common), registry=registry)
     decode = DecodeInstance(DecodeSettings(reservation_lease_s=1.0, **common), registry=registry)
     router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=4), registry=registry)
-    engine_step = prefill.core.engine.step
-    prefill.core.engine.step = lambda: time.sleep(3.0) or engine_step()  # queued behind others for 3 s
+    engine_step, lease_over = prefill.core.engine.step, threading.Event()
+    prefill.core.engine.step = lambda: lease_over.wait() and engine_step()  # queued until the lease has run out
+
+    def end_of_the_lease():
+        wait_until(lambda: decode.core.reservations, timeout_s=60)  # reserved by the router
+        wait_until(lambda: not decode.core.reservations, timeout_s=60)  # and expired, no KV having come
+        lease_over.set()
+
+    watcher = threading.Thread(target=end_of_the_lease, daemon=True)
+    watcher.start()
     try:
         wait_until(lambda: len(registry.instances()) == 3)
         prompt = [5 + i % 200 for i in range(40)]
         tokens, final = generate(router.address, prompt, LONG)
+        assert lease_over.is_set()
         assert tokens == LLM(str(folder), dtype="float32").generate([prompt], LONG)[0].token_ids
         assert final.usage.completion_tokens == LONG.max_tokens
         assert scrape(router.metrics.url)[("infermesh_retries_total", ())] == 1  # the late join, then decode

@@ -23,7 +23,7 @@ from prefill_svc.server import PrefillInstance
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.test_decode_service import collect
 
 LONG = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

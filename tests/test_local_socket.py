@@ -18,7 +18,7 @@ import pytest
 from engine.errors import NoReservation
 from kvtransfer import local_socket
 from kvtransfer.transport import TransferError
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

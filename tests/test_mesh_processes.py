@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,9 +18,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpus import available_cores, parse_cpus, share
+from mesh.metrics import scrape
 from tests.conftest import TINY_VOCAB
+from tests.helpers import assert_exited, descendants, task_files
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import GREEDY, generate
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 INFERMESH = str(Path(sys.executable).parent / "infermesh")
 
@@ -43,44 +46,10 @@ def stop_mesh(proc: subprocess.Popen, pids: list[int]) -> None:
     assert_exited(pids)  # every process it started
 
 
-def assert_exited(pids: list[int], timeout_s: float = 10.0) -> None:
-    """Each process is gone or a zombie (exited, waiting for its reaper: init for an orphaned rank, and this
-    machine's init reaps late); one killed through PR_SET_PDEATHSIG may take a moment."""
-    def exited(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except FileNotFoundError:
-            return True
-
-    deadline = time.monotonic() + timeout_s
-    while not all(map(exited, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in pids if not exited(pid)] == []
 
 
-def task_files(pid: int, name: str) -> list[str]:
-    """/proc/PID/task/*/`name` of each thread of `pid` still there when read: a thread or a process that ends
-    between the listing and the read is left out (suite runs met both)."""
-    texts = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return texts
-    for task in tasks:
-        try:
-            texts.append((task / name).read_text())
-        except (FileNotFoundError, ProcessLookupError):  # gone after the listing; ESRCH if gone while read
-            continue
-    return texts
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (rank followers of an instance, ...), from /proc."""
-    found = []
-    for children in task_files(pid, "children"):
-        for child in map(int, children.split()):
-            found += [child, *descendants(child)]
-    return found
 
 
 def shm_bytes(pid: int) -> int:
@@ -160,6 +129,8 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert [tokens for tokens, _ in results] == [o.token_ids for o in reference.generate(prompts, GREEDY)]
         bad = cli("generate", "hi", "--target", address, "--top-p", "0")
         assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+        (decode,) = [i for i in status["instances"] if i["role"] == "decode"]
+        assert scrape(decode["metrics_url"])[("infermesh_kv_recomputed_requests_total", ())] == 0  # the KV came
     finally:
         stop_mesh(proc, pids)
     spans = [json.loads(line) for line in spans_file.read_text().splitlines()]

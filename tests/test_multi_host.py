@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,15 +22,11 @@ from mesh.registry import InstanceState, MemoryRegistry
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB, wait_until
-from tests.test_mesh_processes import assert_exited, descendants
+from tests.conftest import TINY_VOCAB
+from tests.helpers import assert_exited, descendants, free_port, wait_until
 from tests.test_router import GREEDY, generate
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 
 def test_a_decode_instance_over_two_hosts_gives_the_engines_tokens_and_fails_cleanly_without_one(tiny_checkpoint):

@@ -20,9 +20,10 @@ from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.test_lifecycle import hold_steps
 from tests.test_mesh_processes import start_mesh, started, stop_mesh
+from tests.tiny_mesh import tiny_mesh
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "system", "content": "def main(): return 42"}, {"role": "user", "content": "hello world"}]
@@ -31,17 +32,9 @@ CHAT = [{"role": "system", "content": "def main(): return 42"}, {"role": "user",
 @pytest.fixture(scope="module")
 def mesh(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
-    registry = MemoryRegistry()
-    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22)
-    prefill = PrefillInstance(PrefillSettings(**common), registry=registry)
-    decode = DecodeInstance(DecodeSettings(**common), registry=registry)
-    router = RouterInstance(RouterSettings(model=str(folder), http_port=0, local_prefill_max_tokens=8),
-                            registry=registry)
-    wait_until(lambda: len(registry.instances()) == 3)
-    client = openai.OpenAI(base_url=f"http://{router.http.address}/v1", api_key="unused", max_retries=0)
-    yield router, decode, client, str(folder)
-    for instance in (router, prefill, decode):
-        instance.stop()
+    with tiny_mesh(folder, http_port=0, local_prefill_max_tokens=8) as m:
+        client = openai.OpenAI(base_url=f"http://{m.router.http.address}/v1", api_key="unused", max_retries=0)
+        yield m.router, m.decode, client, m.model
 
 
 def grpc_generate(router, text: str | None = None, messages=None, **sampling):

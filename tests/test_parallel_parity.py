@@ -20,6 +20,8 @@ from engine import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB
 from tests.test_parity_tiny import capture_logits
 
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -100,7 +102,6 @@ def test_parallel_layout_equals_single_rank(arch, layout, tiny_checkpoint, singl
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(cp=2)], ids=["tp2", "cp2"])
 def test_smollm2_parallel_equals_single_rank_on_a_2000_token_prompt(layout, smollm2_llm):
     prompt = "The history of the city begins with a small village by the river. " * 150  # ~2,100 tokens

@@ -117,6 +117,7 @@ def test_a_rank_that_dies_mid_run_fails_the_next_step_fast_and_no_rank_is_left(t
     llm.close()  # safe after a failure
 
 
+@pytest.mark.slow
 def test_an_instance_idle_longer_than_its_collective_timeout_still_runs_the_next_step(tiny_checkpoint):
     import datetime
     import time
@@ -136,6 +137,7 @@ def test_an_instance_idle_longer_than_its_collective_timeout_still_runs_the_next
     assert child_ranks() == []
 
 
+@pytest.mark.slow
 def test_closing_stops_every_rank(tiny_checkpoint):
     folder, _ = tiny_checkpoint("mixtral")
     with LLM(str(folder), dtype="float32", ep=4) as llm:

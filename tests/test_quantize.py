@@ -80,6 +80,7 @@ def test_int8_engine_equals_transformers_with_int8_rounded_weights(arch, tiny_ch
     llm.close()
 
 
+@pytest.mark.slow
 def test_int8_smollm2_equals_transformers_with_int8_rounded_weights(smollm2_path, smollm2_hf):
     llm = LLM(str(smollm2_path), dtype="float32", quantization="int8")
     captured = capture_logits(llm)
@@ -105,6 +106,7 @@ def test_tensor_parallel_int8_equals_one_rank_int8(tiny_checkpoint):
         torch.testing.assert_close(p_logits, logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_mesh_started_with_int8_serves_the_int8_engines_tokens_and_logprobs(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -22,7 +22,8 @@ from mesh.registry.snapshot import Snapshot
 from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
 from prefill_svc.server import PrefillInstance
 from router.server import RouterInstance
-from tests.conftest import free_port, start_redis, wait_until
+from tests.conftest import start_redis
+from tests.helpers import free_port, wait_until
 from tests.test_router import GREEDY, generate
 
 

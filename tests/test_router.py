@@ -13,18 +13,17 @@ import grpc
 import pytest
 import torch
 
-from decode_svc.server import DecodeInstance
 from engine import LLM, SamplingParams
 from mesh.metrics import scrape
 from mesh.registry import MemoryRegistry
 from mesh.rpc import channel
-from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings
-from prefill_svc.server import PrefillInstance
+from mesh.settings import RouterSettings
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router import server as router_server
 from router.server import RouterInstance
 from tests.conftest import TINY_VOCAB
+from tests.tiny_mesh import tiny_mesh
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -32,17 +31,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def mesh(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
-    registry = MemoryRegistry()
-    common = dict(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22, block_size=16)
-    prefill = PrefillInstance(PrefillSettings(**common), registry=registry)
-    decode = DecodeInstance(DecodeSettings(**common), registry=registry)
-    router = RouterInstance(RouterSettings(model=str(folder), local_prefill_max_tokens=20), registry=registry)
-    deadline = time.monotonic() + 30
-    while len(registry.instances()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield router, prefill, decode, registry, LLM(str(folder), dtype="float32")
-    for instance in (router, prefill, decode):
-        instance.stop()
+    with tiny_mesh(folder, local_prefill_max_tokens=20) as m:
+        yield m.router, m.prefill, m.decode, m.registry, LLM(str(folder), dtype="float32")
 
 
 def routed_view(router: RouterInstance):

@@ -7,15 +7,19 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.cpus import format_cpus
 from mesh.rpc import channel
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB, wait_until
-from tests.test_mesh_processes import assert_exited, cli, cores_of, planned_cores, start_mesh, started, stop_mesh
+from tests.conftest import TINY_VOCAB
+from tests.helpers import assert_exited, wait_until
+from tests.test_mesh_processes import cli, cores_of, planned_cores, start_mesh, started, stop_mesh
 from tests.test_router import GREEDY, generate
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 
 def instances(address: str, role: str | None = None) -> list[dict]:

@@ -9,9 +9,13 @@ import ipaddress
 from pathlib import Path
 
 import psutil
+import pytest
 
 from mesh.auth import ADMIN_TOKEN_ENV
-from tests.test_mesh_processes import cli, descendants, start_mesh, started, stop_mesh
+from tests.helpers import descendants
+from tests.test_mesh_processes import cli, start_mesh, started, stop_mesh
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 TOKEN = "s3cret-admin-token-42"
 

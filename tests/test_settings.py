@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings, load
+from mesh.settings import DecodeSettings, PrefillSettings, RouterSettings, load, parse_flags, to_flags
 
 
 def test_environment_overrides_defaults_and_flags_override_the_environment():
     env = {"INFERMESH_TP": "2", "INFERMESH_PORT": "7001", "INFERMESH_HEARTBEAT_S": "0.5"}
-    s = load(DecodeSettings, {"port": 7002, "dtype": None}, env)
+    s = load(DecodeSettings, parse_flags(DecodeSettings, ["--port", "7002"]), env)
     assert (s.tp, s.port, s.heartbeat_s, s.dtype) == (2, 7002, 0.5, "bfloat16")
+    assert load(DecodeSettings, parse_flags(DecodeSettings, ["--metrics-port", "none"]), {}).metrics_port is None
 
 
 def test_a_bad_variable_is_named_with_its_value():
@@ -38,3 +39,27 @@ def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():
     assert settings.http_port == 0 and settings.api_token == "s3cret" and "s3cret" not in repr(settings)
     with pytest.raises(ValueError, match="INFERMESH_HTTP_PORT='eighty' is not a valid int"):
         load(RouterSettings, {}, {"INFERMESH_HTTP_PORT": "eighty"})
+
+
+@pytest.mark.parametrize("settings", [
+    PrefillSettings(model="m.gguf", dtype="float32", cp=2, cp_method="pass_q", shared_kv_cache=True, cpus="0-1",
+                    kv_cache_bytes=3 << 20, metrics_port=None, health_port=9001, heartbeat_s=0.25,
+                    batch_invariant=False),
+    DecodeSettings(registry="redis://127.0.0.1:6379", cpus="0", borrow_cpus="1", reservation_lease_s=7.5,
+                   local_ranks=1, experts="127.0.0.1:5000"),
+    RouterSettings(http_port=0, policy="prefix_aware", kv_transport="torch_p2p", migration_limit=0, port=8000),
+    DecodeSettings(),
+], ids=["prefill", "decode", "router", "defaults"])
+def test_flags_rendered_from_settings_load_the_same_settings(settings):
+    cls = type(settings)
+    assert load(cls, parse_flags(cls, to_flags(settings, {})), {}) == settings
+    assert to_flags(cls(), {}) == []  # nothing to say for the defaults
+
+
+def test_rendered_flags_override_the_environment_where_it_differs_and_never_carry_a_secret():
+    env = {"INFERMESH_DTYPE": "float32", "INFERMESH_TP": "2", "INFERMESH_ADMIN_TOKEN": "s3cret"}
+    settings = load(DecodeSettings, {"dtype": "bfloat16"}, env)  # the flag wins over the environment
+    flags = to_flags(settings, env)
+    assert flags == ["--dtype", "bfloat16"]  # tp=2 and the token come from the same environment in the child
+    assert load(DecodeSettings, parse_flags(DecodeSettings, flags), env) == settings
+    assert "s3cret" not in to_flags(load(RouterSettings, {"api_token": "s3cret"}, {}), {})

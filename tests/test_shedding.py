@@ -18,7 +18,8 @@ from mesh.registry import MemoryRegistry
 from mesh.settings import DecodeSettings, RouterSettings
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from router.server import RouterInstance
-from tests.conftest import TINY_VOCAB, wait_until
+from tests.conftest import TINY_VOCAB
+from tests.helpers import wait_until
 from tests.test_openai_front import num_kv_blocks_hint
 from tests.test_router import generate
 

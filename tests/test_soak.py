@@ -2,8 +2,7 @@
 and 2 decode instances (real processes, loopback). Every request either completes with exactly the engine's
 tokens (no token missing, repeated or out of order) or fails with an explicit status (only load shedding
 is expected); afterwards every instance holds no KV block and runs no request, and no process grew past
-its warmed-up memory by more than a bound. `pytest tests/test_soak.py -s` prints the figures recorded in
-bench/RESULTS.md."""
+its warmed-up memory by more than a bound. `pytest tests/test_soak.py -s` prints its figures."""
 
 from __future__ import annotations
 
@@ -14,13 +13,17 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from engine import LLM, SamplingParams
 from mesh import rpc
 from protos.convert import sampling_message
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.conftest import TINY_VOCAB, wait_until
-from tests.test_mesh_processes import descendants, start_mesh, started, stop_mesh
+from tests.conftest import TINY_VOCAB
+from tests.helpers import descendants, wait_until
+from tests.test_mesh_processes import start_mesh, started, stop_mesh
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 STREAMS, DURATION_S = 64, 60.0
 GROWTH_BOUND_MB = 64  # per process, from warmed up to after the soak: thousands of requests must not pile up

@@ -27,8 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import LLM, SamplingParams
 from mesh import tls
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.conftest import free_port
+from tests.helpers import free_port
 from tests.test_mesh_processes import cli, start_mesh, stop_mesh
+
+pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
 
 ONE_DAY = datetime.timedelta(days=1)
 

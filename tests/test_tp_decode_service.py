@@ -51,23 +51,25 @@ def test_sixteen_concurrent_requests_through_cp2_prefill_and_tp2_decode_equal_th
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in [5, 30, 47, 70, 12, 90, 33, 64] * 2]
     expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
-    before = prefill.core.total_requests
+    before, recomputed = prefill.core.total_requests, decode.core.engine.recomputed_requests
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == expected
+    assert decode.core.engine.recomputed_requests == recomputed  # every pushed KV arrived: none computed twice
     long_prompts = [tuple(p) for p in prompts if len(p) > 20]  # pushed, unless a twin's prefix is cached on decode
     assert len(set(long_prompts)) <= prefill.core.total_requests - before <= len(long_prompts)
 
 
 def test_kv_over_torch_p2p_pair_groups_formed_on_demand_gives_the_engine_tokens(cp_tp_mesh):
-    _, prefill, _, reference, router = cp_tp_mesh  # this router asks decode for the torch_p2p transport
+    _, prefill, decode, reference, router = cp_tp_mesh  # this router asks decode for the torch_p2p transport
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (33, 70, 5, 48, 90, 21, 64, 40)]
     expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
-    before = prefill.core.total_requests
+    before, recomputed = prefill.core.total_requests, decode.core.engine.recomputed_requests
     with ThreadPoolExecutor(8) as pool:  # the first pushes form the pair group (2 prefill + 2 decode ranks)
         results = list(pool.map(lambda p: generate(router.address, p), prompts))
     assert [tokens for tokens, _ in results] == expected
+    assert decode.core.engine.recomputed_requests == recomputed  # the KV came over the pairs
     assert prefill.core.total_requests - before == sum(len(p) > 20 for p in prompts)
 
 

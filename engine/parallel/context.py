@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.parallel import control
 from engine.parallel.allreduce import AllReduceThresholds
 from engine.parallel.groups import DEFAULT_TIMEOUT, stateless_group
 
@@ -131,11 +132,9 @@ def connect(store: dist.Store | None, rank: int, config: ParallelConfig, *, back
     experts = None
     if config.experts is not None:  # attention ranks first, then the expert instance's ranks
         attach = config.experts
-        store_host, port = attach.address.rsplit(":", 1)
         attach_timeout = datetime.timedelta(seconds=attach.timeout_s)
-        experts = stateless_group(dist.TCPStore(store_host, int(port), is_master=False, timeout=attach_timeout),
-                                  attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout,
-                                  host=host)
+        experts = control.Store.connect(attach.address, attach_timeout).join(
+            attach.group, rank, config.world_size + attach.expert_ranks, timeout=attach_timeout, host=host)
     if config.world_size == 1:
         return ParallelContext(config=config, rank=0, expert_group=experts)
     # connected on first use: formed eagerly with the ranks on one core, it failed to connect 3 of 22 times

@@ -8,12 +8,13 @@ source themselves, shard it for their rank and follow the broadcast plans.
 from __future__ import annotations
 
 import datetime
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from engine.kv_cache import KVStripe
 from engine.parallel.context import ParallelConfig, connect
+from engine.parallel.control import READY, Call, Ready, Store
 from engine.parallel.launcher import ParallelError, RankGroup, Rendezvous, plan_group, receive_plan, send_plan
 from engine.parallel.parallelize import build_runner
 from engine.step_plan import StepPlan
@@ -22,22 +23,24 @@ from engine.weights import Checkpoint, load_checkpoint
 
 class ParallelExecutor:
     def __init__(self, checkpoint: Checkpoint, parallel: ParallelConfig, *, dtype: torch.dtype, device: str,
-                 block_size: int, num_blocks: int, quantization: str = "none", kv_memory=None, follower_hook=None,
-                 rendezvous: Rendezvous = Rendezvous(), timeout: datetime.timedelta = datetime.timedelta(seconds=120),
-                 batch_invariant: bool = True) -> None:
-        """`timeout`: how long a collective of the model may wait for a rank (idle waits have none)."""
-        layout = dict(dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
-                      quantization=quantization, kv_memory=kv_memory, batch_invariant=batch_invariant)
-        self.ranks = RankGroup(parallel, follow_plans, (str(checkpoint.source), layout, follower_hook),
-                               rendezvous=rendezvous, backend=backend_for(device), timeout=timeout)
+                 block_size: int, num_blocks: int, quantization: str = "none", kv_memory: Callable | None = None,
+                 follower_hook: Call | None = None, rendezvous: Rendezvous = Rendezvous(),
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=120), batch_invariant: bool = True) -> None:
+        """`timeout`: how long a collective of the model may wait for a rank (idle waits have none).
+        `kv_memory`: a module-level function (followers import it by name)."""
+        layout = dict(device=device, block_size=block_size, num_blocks=num_blocks, quantization=quantization,
+                      batch_invariant=batch_invariant)
+        follower = Call.of(follow_plans, source=str(checkpoint.source), dtype=str(dtype).removeprefix("torch."),
+                           layout=layout, kv_memory=kv_memory and Call.of(kv_memory), hook=follower_hook)
+        self.ranks = RankGroup(parallel, follower, rendezvous=rendezvous, backend=backend_for(device), timeout=timeout)
         ctx = self.ranks.connect()
         try:
-            self.runner = build_runner(checkpoint, ctx, **layout)
+            self.runner = build_runner(checkpoint, ctx, dtype=dtype, kv_memory=kv_memory, **layout)
         except BaseException as e:
             raise self.ranks.failure(e) from e
 
     @property
-    def store(self) -> dist.Store:
+    def store(self) -> Store:
         """The instance's rendezvous store, shared by all its ranks."""
         return self.ranks.store
 
@@ -72,19 +75,21 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def follow_plans(rank: int, store: dist.Store, parallel: ParallelConfig, timeout: datetime.timedelta,
-                 source: str, layout: dict, follower_hook=None, *, host: str = "") -> None:
+def follow_plans(rank: int, store: Store, *, host: str, parallel: ParallelConfig, timeout_s: float, source: str,
+                 dtype: str, layout: dict[str, str | int | bool], kv_memory: Call | None, hook: Call | None) -> None:
     """A follower rank's whole life: load, shard, then run every broadcast plan until `None`.
-    `follower_hook(rank, store, runner, host)` returns `before_step(plan)`, which may return an `on_layer` for
-    that step; `host` is the address this rank binds."""
-    checkpoint = load_checkpoint(source, layout["dtype"])
+    `hook(rank, store, runner, host)` returns `before_step(plan)`, which may return an `on_layer` for that step;
+    `host` is the address this rank binds."""
+    checkpoint = load_checkpoint(source, getattr(torch, dtype))
     if layout["device"] == "cuda":  # the ranks of a host are consecutive: one GPU each
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    store.set(f"ready/{rank}", "1")
-    ctx = connect(store, rank, parallel, timeout=timeout, host=host, backend=backend_for(layout["device"]))
-    plans = plan_group(store, rank, parallel.world_size, host=host)
-    runner = build_runner(checkpoint, ctx, **layout)
-    before_step = follower_hook(rank, store, runner, host) if follower_hook is not None else None
+    store.put(READY.key(rank), Ready(rank))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    ctx = connect(store.raw, rank, parallel, timeout=timeout, host=host, backend=backend_for(layout["device"]))
+    plans = plan_group(store.raw, rank, parallel.world_size, host=host)
+    runner = build_runner(checkpoint, ctx, dtype=getattr(torch, dtype),
+                          kv_memory=kv_memory.resolve() if kv_memory else None, **layout)
+    before_step = hook.resolve()(rank, store, runner, host) if hook is not None else None
     while (plan := receive_plan(plans)) is not None:
         on_layer = before_step(plan) if before_step is not None else None
         runner.execute(plan, on_layer)

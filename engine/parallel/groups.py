@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import datetime
 import socket
-import threading
-import time
-from typing import Iterator
 
 import torch.distributed as dist
 
@@ -69,20 +66,3 @@ def stateless_group(store: dist.Store, name: str, rank: int, world_size: int, *,
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-
-
-def announcements(store: dist.Store, prefix: str, stop: threading.Event,
-                  poll_s: float = 0.05) -> Iterator[tuple[int, int]]:
-    """(k, value) of the integer keys `prefix/1`, `prefix/2`, ... in order, as each appears, until `stop` is
-    set; how one instance learns of the groups others ask it to form. Polled: a blocking wait could not be
-    stopped. Ends quietly when the store goes away."""
-    k = 1
-    try:
-        while not stop.is_set():
-            if store.check([f"{prefix}/{k}"]):
-                yield k, int(store.get(f"{prefix}/{k}"))
-                k += 1
-            else:
-                time.sleep(poll_s)
-    except RuntimeError:
-        return

@@ -3,17 +3,19 @@ this host, and ranks L..N-1 (if any) join from other hosts.
 
 Ranks are fresh interpreters (`python -m engine.parallel.launcher --join HOST:PORT --rank I`), so the
 caller's `__main__` is never re-imported (no `if __name__ == "__main__"` needed). They read what to run
-from the rendezvous store that rank 0 hosts (`Rendezvous`), and bind their groups and servers to the
-address they are given: nothing assumes that ranks share a host.
+(a `control.Call`: `call(rank, store, host=...)`, with the instance's `parallel` config and `timeout_s`
+among its arguments) from the rendezvous store that rank 0 hosts (`Rendezvous`), and bind their groups
+and servers to the address they are given: nothing assumes that ranks share a host.
 
 Rank 0 owns the scheduler and the sampler. Every step it broadcasts the
 `StepPlan` and runs its own share of the model; the other ranks receive the
 plan, run theirs, and wait for the next one (`None` stops them). Plans travel
+in their wire form (`engine.step_plan.encode`)
 on a group of their own (`plan_group`) whose timeout is a year: an instance may
 sit idle for any time, while the model's collectives keep the short one.
 
-Failure: a rank that raises writes its traceback to the rendezvous store under
-`error/<rank>` and exits; its closed connections make rank 0's next collective
+Failure: a rank that raises writes its traceback to the rendezvous store
+(`control.RANK_ERROR`) and exits; its closed connections make rank 0's next collective
 fail at once, and rank 0 raises `ParallelError` with that rank's message. Rank 0
 then stops every child. Children die with their parent (they set PR_SET_PDEATHSIG
 first thing), so no local rank outlives the instance even when rank 0 is killed; a
@@ -25,21 +27,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pickle
 import subprocess
 import sys
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from engine import step_plan
 from engine.cpus import available_cores
 from engine.parallel.context import ParallelConfig, ParallelContext, connect
-from engine.parallel.groups import IDLE, hosted_store, stateless_group
+from engine.parallel.control import FOLLOWER, RANK_ERROR, READY, Call, RankError, Store
+from engine.parallel.groups import IDLE, stateless_group
 from engine.parallel.lifetime import die_with_parent
 from engine.step_plan import StepPlan
 
@@ -72,17 +74,21 @@ def plan_group(store: dist.Store, rank: int, world_size: int, host: str = "") ->
 
 
 def send_plan(group: dist.ProcessGroup, plan: StepPlan | None) -> None:
-    payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
-    group.broadcast(torch.tensor([payload.numel()]), 0).wait()
-    group.broadcast(payload, 0).wait()
+    """Broadcast `plan` (None: stop) from rank 0: its size, then its bytes (none for None)."""
+    encoded = b"" if plan is None else step_plan.encode(plan)
+    group.broadcast(torch.tensor([len(encoded)]), 0).wait()
+    if encoded:
+        group.broadcast(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0).wait()
 
 
 def receive_plan(group: dist.ProcessGroup) -> StepPlan | None:
     size = torch.zeros(1, dtype=torch.long)
     group.broadcast(size, 0).wait()
+    if not int(size):
+        return None
     payload = torch.empty(int(size), dtype=torch.uint8)
     group.broadcast(payload, 0).wait()
-    return pickle.loads(payload.numpy().tobytes())
+    return step_plan.decode(payload.numpy().tobytes())
 
 
 def spawn_rank(address: str, rank: int, host: str, threads: int, parent_pid: int | None) -> subprocess.Popen:
@@ -100,9 +106,10 @@ START_S = 120.0  # the least time ranks get to start and join
 
 class RankGroup:
     """Rank 0 (this process) of an instance: hosts the rendezvous, starts its local ranks 1..L-1, which run
-    `follower(rank, store, config, timeout, *follower_args, host=their host)`, and waits for the rest to join."""
+    `follower(rank, store, host=their host)` with `parallel=config` and `timeout_s` added to its arguments,
+    and waits for the rest to join."""
 
-    def __init__(self, config: ParallelConfig, follower: Callable, follower_args: tuple, *,
+    def __init__(self, config: ParallelConfig, follower: Call, *,
                  rendezvous: Rendezvous = Rendezvous(), backend: str = "gloo",
                  timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
         self.config, self.timeout, self.host, self.backend = config, timeout, rendezvous.host, backend
@@ -110,9 +117,10 @@ class RankGroup:
         local = world if rendezvous.local_ranks is None else rendezvous.local_ranks
         if not 1 <= local <= world:
             raise ValueError(f"local_ranks must be in [1, world_size={world}], got {local}")
-        self.store = hosted_store(rendezvous.host, rendezvous.port, timeout, world)
-        self.address = f"{rendezvous.host}:{self.store.port}"
-        self.store.set("follower", pickle.dumps((follower, follower_args, config, timeout)))
+        self.store = Store.host(rendezvous.host, rendezvous.port, timeout, world)
+        self.address = self.store.address
+        self.store.put(FOLLOWER, Call(follower.function, {**follower.kwargs, "parallel": config,
+                                                          "timeout_s": timeout.total_seconds()}))
         threads = max(1, len(available_cores()) // local)  # the ranks of a host split its cores
         self.processes = {rank: spawn_rank(self.address, rank, rendezvous.host, threads, os.getpid())
                           for rank in range(1, local)}
@@ -126,13 +134,14 @@ class RankGroup:
         """Wait until every rank is up (failing fast if a local one dies), then form the groups. Starting a rank
         (an interpreter, torch, the weights) may take longer than a collective may wait: at least START_S."""
         deadline = time.monotonic() + max(self.timeout.total_seconds(), START_S)
-        keys = [f"ready/{rank}" for rank in range(1, self.config.world_size)]
-        while not self.store.check(keys):
+        keys = [READY.key(rank) for rank in range(1, self.config.world_size)]
+        while not self.store.has(*keys):
             if any(p.poll() is not None for p in self.processes.values()) or time.monotonic() > deadline:
                 raise self.failure(TimeoutError("ranks did not start in time"))
             time.sleep(0.05)
-        self.context = connect(self.store, 0, self.config, timeout=self.timeout, host=self.host, backend=self.backend)
-        self.plans = plan_group(self.store, 0, self.config.world_size, host=self.host)
+        self.context = connect(self.store.raw, 0, self.config, timeout=self.timeout, host=self.host,
+                               backend=self.backend)
+        self.plans = plan_group(self.store.raw, 0, self.config.world_size, host=self.host)
         return self.context
 
     def failure(self, cause: BaseException) -> ParallelError:
@@ -146,8 +155,8 @@ class RankGroup:
         errors, tracebacks = [], []
         for rank in range(1, self.config.world_size):
             p = self.processes.get(rank)
-            if self.store.check([f"error/{rank}"]):
-                text = self.store.get(f"error/{rank}").decode().strip()
+            if (error := self.store.peek(RANK_ERROR.key(rank))) is not None:
+                text = error.traceback.strip()
                 errors.append(f"rank {rank} failed: {text.splitlines()[-1]}")
                 tracebacks.append(f"--- rank {rank} ---\n{text}")
             elif p is not None and p.returncode not in (None, 0):
@@ -188,14 +197,12 @@ def run_rank(address: str, rank: int, host: str, threads: int, parent_pid: int |
     `host`. A failure is written to the store (rank 0 reports it) and ends the process with code 1."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    store_host, port = address.rsplit(":", 1)
-    store = dist.TCPStore(store_host, int(port), is_master=False, timeout=join_timeout)
-    follower, follower_args, config, timeout = pickle.loads(store.get("follower"))
+    store = Store.connect(address, join_timeout)
     torch.set_num_threads(threads)
     try:
-        follower(rank, store, config, timeout, *follower_args, host=host)
+        store.get(FOLLOWER).resolve()(rank, store, host=host)
     except BaseException:
-        store.set(f"error/{rank}", traceback.format_exc())
+        store.put(RANK_ERROR.key(rank), RankError(rank, traceback.format_exc()))
         os._exit(1)
 
 
