@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -41,16 +41,15 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-# The benchmarks each figure of bench/RESULTS.md comes from, next to their peers (~20 minutes on 2 cores).
+# Everything but the tests marked slow (real SmolLM2 weights, whole meshes): the development loop.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Every benchmark, next to its peer or floor in the same run; writes the current tables to bench/RESULTS.md
+# (~20 minutes on 2 cores).
 bench: setup
-	$(BIN)/python bench/engine.py
-	$(BIN)/python bench/decode.py
-	$(BIN)/python bench/attention.py
-	$(BIN)/python bench/linear.py
-	$(BIN)/python bench/kvtransfer.py
-	$(BIN)/python bench/mesh.py
-	$(BIN)/python bench/push.py
-	$(BIN)/python bench/serve.py --plot bench/serve.png
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,19 +1,16 @@
 """Engine throughput on SmolLM2: infermesh (fp32, bf16, bf16 without batch invariance, bf16 with int8 weights,
 with and without batch invariance) next to transformers, same run.
 
-    python bench/engine.py [--quick] [--out bench/RESULTS.md]
+    python bench/engine.py [--quick]
 
 Measures decode tokens/s at batch 1, 16 and 32 (the goal: infermesh at 32 against transformers at 16)
 and the prefill tokens/s of one 2048-token prompt. Decode rates exclude the prefill: they time steps after
-every sequence has its first token. Prints a markdown table; --out appends it.
+every sequence has its first token. Prints a markdown table and infermesh's ratios to transformers.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -80,10 +77,9 @@ def transformers_rates(dtype: str, batches: tuple[int, ...], decode_steps: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     batches, steps, prefill = ((1, 2, 4), 4, 128) if args.quick else ((1, 16, 32), 32, 2048)
-    rows = []
+    rows, rates = [], {}
     runs = [("infermesh", "float32", infermesh_rates, {}), ("infermesh", "bfloat16", infermesh_rates, {}),
             ("infermesh", "bfloat16, not batch-invariant", infermesh_rates, {"batch_invariant": False}),
             ("infermesh", "bfloat16, int8 weights", infermesh_rates, {"quantization": "int8"}),
@@ -94,18 +90,20 @@ def main() -> None:
         r = fn(label.split(",")[0], batches, steps, prefill, **options)
         decode = " | ".join(f"{r[f'decode_b{b}']:.1f}" for b in batches)
         rows.append(f"| {name} | {label} | {decode} | {r['prefill']:.0f} |")
-        print(rows[-1], flush=True)
+        print(rows[-1], file=sys.stderr, flush=True)
+        rates[name, label] = r
     header = (
-        f"### engine — {datetime.date.today()} — {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        f"{torch.get_num_threads()} threads, SmolLM2-135M\n\n"
         f"| engine | dtype | {' | '.join(f'decode b{b} tok/s' for b in batches)} | prefill {prefill} tok/s |\n"
         f"|---|---|{'---|' * len(batches)}---|"
     )
-    table = header + "\n" + "\n".join(rows) + "\n"
-    print(table)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write("\n" + table)
+    ours, theirs = rates["infermesh", "bfloat16"], rates["transformers", "float32"]
+    big, peer = batches[-1], batches[-2]  # the goal: infermesh at the largest batch against transformers at the next
+    ratios = (f"\ninfermesh bfloat16 / transformers float32: decode batch {batches[0]} "
+              f"{ours[f'decode_b{batches[0]}'] / theirs[f'decode_b{batches[0]}']:.2f}x, batch {big} against its "
+              f"batch {peer} {ours[f'decode_b{big}'] / theirs[f'decode_b{peer}']:.2f}x, prefill "
+              f"{ours['prefill'] / theirs['prefill']:.2f}x")
+    print(header + "\n" + "\n".join(rows) + "\n" + ratios)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def paged_attention(
             kd, vd = for_query_heads(kd, kv_head_map), for_query_heads(vd, kv_head_map)
             qd = q[:batch, :, None, :]  # [B, Hq, 1, D]
         # In the cache's dtype: on CPU, up-casting the gathered context to float32 first (once faster) now costs
-        # 1.3-10x the attention itself (torch 2.13; bench/RESULTS.md, "decode attention in bfloat16").
+        # 1.3-10x the attention itself (torch 2.13).
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         outputs.append(od.reshape(batch, num_heads, head_dim))  # [B, Hq, D]
     for span in meta.prefills:
@@ -152,7 +152,7 @@ def fused_decode(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_c
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The cache's rows for block ids `tables` [..., blocks], as [..., blocks * block_size, H, D] (one copy).
-    `index_select`: on CPU 2.5-4x faster than indexing with `cache[tables]` (bench/RESULTS.md)."""
+    `index_select`: on CPU 2.5-4x faster than indexing with `cache[tables]`."""
     _, block_size, heads, dim = cache.shape
     rows = cache.index_select(0, tables.flatten())  # [prod(tables.shape), block_size, H, D]
     return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, heads, dim)

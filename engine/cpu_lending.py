@@ -4,7 +4,7 @@
 cores wait on each other's preempted threads at every barrier. But a prefill instance's cores then sit idle
 between prompts while decode runs every step on its own share alone: at a 6,000-token context a decode
 instance beside a CP=2 prefill instance on two cores decoded at 0.60-0.69 (AVX2) and 0.74-0.82 (Zen 4) of the
-in-process rate; lent prefill's core, at 0.88-0.96 (Zen 4; bench/RESULTS.md, session 37).
+in-process rate; lent prefill's core, at 0.88-0.96 (Zen 4).
 
 So cores are lent. An engine process that has cores of its own (an owner) holds them while it works and
 lets go when it idles; a decode instance may borrow idle cores for one step, running that step on as many

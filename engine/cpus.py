@@ -3,7 +3,7 @@ with them; `engine.threads.pin` applies a plan inside the process).
 
 Engine processes that share cores fight: each runs torch's intra-op (OpenMP) team, whose threads spin at
 every barrier of every op, so two teams on the same two cores wait on each other's preempted threads
-(bench/RESULTS.md, session 20: a disaggregated layout's TPOT p50 0.12 → 0.97–1.36 s once neither team was
+(a disaggregated layout's TPOT p50 0.12 → 0.97–1.36 s once neither team was
 throttled). `infermesh up` therefore gives each engine instance its own cores (`share`), in proportion to
 its ranks; an instance's ranks then split its cores by thread count.
 

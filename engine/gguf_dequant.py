@@ -1,7 +1,7 @@
 """GGUF tensors as float32 arrays: Q4_1 and Q8_0 (what the bundled SmolLM2 holds) dequantized by torch in
 whole tensors, with the arithmetic of `gguf.quants` (float16 scales widened to float32, then `d * q + m`: the
 same bits) but not its Python loop over groups of 16 rows: SmolLM2's 211 quantized tensors in 0.5 s against
-1.0 s on the AVX2 VM. Any other type goes through `gguf.quants`."""
+1.0 s on an AVX2 CPU. Any other type goes through `gguf.quants`."""
 
 from __future__ import annotations
 

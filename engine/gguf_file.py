@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor table, read with `struct` from one memory map: what `gguf.GGUFReader`
 gives (`fields[key].contents()`, `tensors`), in 0.15 s against its 4.0 s for SmolLM2's file. That reader
 makes a numpy view for every part of every field, and SmolLM2's vocabulary and merges are ~98,000 strings:
-~4 s of each process's start (bench/RESULTS.md). The tensor data stays in the map until dequantized
+~4 s of each process's start. The tensor data stays in the map until dequantized
 (`engine.gguf_dequant`).
 
     metadata, tensors = read_gguf(path)   # ValueError naming what is wrong with a file that is not GGUF

@@ -4,7 +4,7 @@ By default glibc maps big allocations afresh (`mmap`) and soon gives freed heap 
 so a step that allocates and frees the same activations every time faults in, and zeroes, new pages for
 them: four 2,048-token prefills took 1.24 M page faults against 0.47 M with them kept, and ran at
 1,057-1,064 against 1,196-1,258 tok/s; a gRPC stream receiving KV a layer at a time moved 0.74-1.00 against
-0.96-1.43 GB/s (bench/RESULTS.md, "the C heap kept"). `keep_freed_heap()` serves allocations up to
+0.96-1.43 GB/s. `keep_freed_heap()` serves allocations up to
 `MMAP_THRESHOLD` from the heap and leaves up to `TRIM_THRESHOLD` of free memory at a heap's top mapped.
 The runner builder calls it once the model and KV cache are in place (`engine.parallel.parallelize`), an
 expert rank once its experts are (`ExpertShard`), so those keep mappings of their own. Peak memory is

@@ -2,7 +2,7 @@
 
 Decode at small batch reads every weight once a token. In 4 KiB pages SmolLM2's 212 MB of projections span
 ~52,000 pages; the few-row kernel reads them in 8.3 ms from 2 MiB pages against 11.3 ms from 4 KiB ones (2
-threads; bench/RESULTS.md, "huge pages"). `to_huge_pages(model)` copies
+threads). `to_huge_pages(model)` copies
 a model's contiguous CPU parameters into one anonymous mapping advised MADV_HUGEPAGE, so the kernel backs it
 with huge pages where transparent huge pages are enabled ("always" or "madvise"); elsewhere (another OS,
 huge pages "never") the parameters stay as they are. Parameters shared by several modules (tied embeddings)

@@ -33,7 +33,7 @@ from engine import bf16
 from engine.kernels import cpu_ops
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-PACKED_MAX_ROWS = 16  # torch's int8 kernel beats converting the weight up to here (bench/RESULTS.md, "int8")
+PACKED_MAX_ROWS = 16  # torch's int8 kernel beats converting the weight up to here
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 
 Between its projections a batch-1 decode step on SmolLM2 makes ~10 small calls a layer (norms, attention,
 SiLU, adds), each back through Python and torch's dispatcher, each with its code and data evicted from cache
-by the projection before it: ~4 ms of a ~18 ms step (bench/RESULTS.md, "the decoder layers in one call"); a
+by the projection before it: ~4 ms of a ~18 ms step; a
 short prompt's prefill chunk ~15 a layer. The C++ op chains the same kernels for every layer (and torch's
 SDPA for a chunk where the model's layers call it), so a step computes the same bits either way.
 

@@ -44,7 +44,7 @@ VALUES_FIELD = internal_pb2.KVPiece.DESCRIPTOR.fields_by_name["values"].number
 def wire_message(piece: internal_pb2.KVPiece, keys: torch.Tensor, values: torch.Tensor) -> bytes:
     """`piece` serialized with `keys` and `values` as its `keys` and `values` fields: the small fields by
     protobuf, the two tensors appended as length-delimited fields (the bytes protobuf would write, which a
-    parser reads the same in any field order), 6x faster for a 1.6 MB layer (bench/RESULTS.md)."""
+    parser reads the same in any field order), 6x faster for a 1.6 MB layer."""
     head = piece.SerializeToString()
     k, v = tensor_buffer(keys), tensor_buffer(values)  # joined straight from the tensors: one copy
     return b"".join([head, _field_prefix(KEYS_FIELD, k.nbytes), k, _field_prefix(VALUES_FIELD, v.nbytes), v])

@@ -1,6 +1,6 @@
 """Pushes over a Unix socket, for a sender and a receiver on one host: the channel of the `shared_memory`
 transport, whose messages only say where the KV lies. A gRPC stream of four small messages takes ~1.2 ms
-on an idle host (~3.5 ms of a 10 ms push when both processes copy), this channel ~0.25 ms (bench/RESULTS.md).
+on an idle host (~3.5 ms of a 10 ms push when both processes copy), this channel ~0.25 ms.
 
     sender:   connect, header (MAGIC, its timeout in ms), frames (4-byte little-endian length + bytes),
               an empty frame (the end)

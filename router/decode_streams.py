@@ -3,7 +3,7 @@ every request the router sends there; grpc.aio, on the router's event loop.
 
 Per request a stream would cost the decode process a gRPC message, and a wake of a handler thread, for
 every token: at 32 concurrent requests those wakes contend with the engine's thread for the GIL and
-slowed its steps by ~20 % (bench/RESULTS.md, "one stream per decode instance"). On a shared stream the
+slowed its steps by ~20 %. On a shared stream the
 decode instance sends what all requests got in one engine step as one message; on the router's side one
 task reads it and hands each request its events, with no thread between them and the client.
 

@@ -2,7 +2,7 @@
 //
 // infermesh_cpu::argmax_rows(logits [N, V]) -> int64 [N]: the index of each row's first maximal value, as
 // torch.max(dim=-1).indices gives it (a NaN counts as maximal: the first NaN), in one pass over the row
-// (torch's max over bf16 rows: 1.18 ms at [32, 49,152], 0.08 at [1, 49,152]; bench/RESULTS.md). Contiguous
+// (torch's max over bf16 rows: 1.18 ms at [32, 49,152], 0.08 at [1, 49,152]). Contiguous
 // rows of one of the kernels' dtypes (engine/sampler.py checks).
 
 #include <torch/library.h>

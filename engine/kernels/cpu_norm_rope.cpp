@@ -1,5 +1,5 @@
 // The row-wise steps of a decoder layer on CPU, each one pass over its rows instead of torch's chain of
-// small ops (and their dispatch, ~2-3 ms of a 25 ms batch-1 step on SmolLM2; bench/RESULTS.md).
+// small ops (and their dispatch, ~2-3 ms of a 25 ms batch-1 step on SmolLM2).
 //
 // infermesh_cpu::rms_norm(x [..., D], weight [D], eps) -> [..., D]
 // infermesh_cpu::add_rms_norm(x [..., D], delta [..., D], weight [D], eps) -> (x + delta, rms_norm(x + delta))

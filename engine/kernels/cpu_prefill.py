@@ -24,7 +24,7 @@ HEAD_DIMS = (16, 32, 64, 128)
 
 def takes(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the engine attends these inputs with the kernel: bf16 where the CPU has its dot products (there
-    2.3x torch's SDPA at 2,048 tokens, bench/RESULTS.md); elsewhere torch's SDPA, not slower (float32: 39.5
+    2.3x torch's SDPA at 2,048 tokens); elsewhere torch's SDPA, not slower (float32: 39.5
     against the kernel's 48 ms; AMX CPUs, where torch's own kernel takes AMX tiles: not measured)."""
     return takes_heads(q.dtype, q.shape[-1]) and cpu_ops.takes(q, k)
 

@@ -20,8 +20,7 @@
 // and k norm weights, or none; projections: per layer qkv, o, gate_up, down, bf16 [N, K] or int8 with `scales`
 // (one tensor each; `batch_invariant` as linear_int8 takes it). The ops are the library's own (and torch's SDPA),
 // called directly: the same results bit for bit as the model's Python layers calling them one by one, without a
-// return to Python and the dispatcher between them (bench/RESULTS.md, "the decoder layers in one call", "prefill
-// chunks in the one call").
+// return to Python and the dispatcher between them.
 
 #include <torch/library.h>
 

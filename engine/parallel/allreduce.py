@@ -41,7 +41,7 @@ class AllReduceThresholds:
 
 
 CPU = torch.device("cpu")
-# Measured on gloo over loopback (bench/RESULTS.md): flat wins up to ~256 KB, the backend ring above; tree never.
+# Measured on gloo over loopback: flat wins up to ~256 KB, the backend ring above; tree never.
 GLOO_THRESHOLDS = AllReduceThresholds(flat_max_bytes=256 * 1024, tree_max_bytes=256 * 1024)
 
 

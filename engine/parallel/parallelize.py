@@ -60,8 +60,8 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
         for linear in (m for m in model.modules() if isinstance(m, Int8Linear)):
             linear.batch_invariant = batch_invariant
         if rows or quantization == "int8":
-            # the few-row and int8 kernels read faster from huge pages; torch's bf16 `mv` does not (bench/
-            # RESULTS.md, "huge pages", "projections on AMX tiles"), and a start pays 1-2.5 s more for them
+            # the few-row and int8 kernels read faster from huge pages; torch's bf16 `mv` does not, and a start pays
+            # 1-2.5 s more for them
             to_huge_pages(model)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,

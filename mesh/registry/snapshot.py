@@ -3,7 +3,7 @@
 `Snapshot(registry)` answers `instances`, `prefix_hits` and `instances_and_hits` from the last
 `registry.snapshot()` it read (every live record and the block hashes each holds; prefix hits are counted
 here). A read per request was one round trip on every request's path (~1 ms to the supervisor's
-registry, bench/RESULTS.md); now:
+registry); now:
 
 - a snapshot younger than `refresh_s` answers as it is;
 - an older one answers too, and a read starts in the background (one at a time);
