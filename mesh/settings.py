@@ -187,7 +187,7 @@ def parse_flags(cls: type[ServiceSettings], argv: list[str] | None = None) -> di
     """The `--field-name VALUE` flags given, of the fields of `cls`, by field name."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog=cls.__name__)
+    parser = argparse.ArgumentParser(prog=cls.__name__, allow_abbrev=False)  # a flag is spelled whole
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]

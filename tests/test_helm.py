@@ -14,6 +14,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh.settings import (
+    DecodeSettings,
+    ExpertSettings,
+    PrefillSettings,
+    RouterSettings,
+    load,
+    parse_flags,
+    to_flags,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "infermesh"
 GPU_VALUES = CHART / "ci" / "gpu-cluster-values.yaml"
@@ -161,3 +171,41 @@ def test_values_that_cannot_work_are_refused_with_a_reason():
     assert bad.returncode != 0 and "model/source/type" in bad.stderr  # values.schema.json
     int4 = helm("template", "mesh", str(CHART), "--set", "model.quantization=int4")
     assert int4.returncode != 0 and "model/quantization" in int4.stderr
+
+
+SETTINGS = {"router.server": RouterSettings, "prefill_svc.server": PrefillSettings,
+            "decode_svc.server": DecodeSettings, "expert_svc.server": ExpertSettings}
+
+
+def service_containers(rendered: dict) -> list[tuple[str, dict]]:
+    """(workload name, container) for every container that runs a service (`python -m <service>.server`)."""
+    found = []
+    for (kind, name), doc in rendered.items():
+        if kind == "LeaderWorkerSet":
+            pods = [doc["spec"]["leaderWorkerTemplate"][part] for part in ("leaderTemplate", "workerTemplate")]
+        elif kind in ("Deployment", "StatefulSet"):
+            pods = [doc["spec"]["template"]]
+        else:
+            continue
+        found += [(name, c) for pod in pods for c in pod["spec"]["containers"]
+                  if c.get("command", [])[:2] == ["python", "-m"]]
+    return found
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS],
+                                    ["--set", "model.quantization=int8", "--set", "model.batchInvariant=false"]],
+                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "int8"])
+def test_every_flag_the_chart_passes_is_a_setting_its_service_declares_and_accepts(values):
+    """The chart's container args are read by the service's own settings declaration (mesh.settings): an
+    undeclared flag, or a value its check refuses, fails here rather than in a pod."""
+    rendered = service_containers(render(*values))
+    assert {c["command"][2] for _, c in rendered} >= {"router.server", "prefill_svc.server", "decode_svc.server"}
+    for name, container in rendered:
+        cls = SETTINGS[container["command"][2]]
+        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+        try:
+            flags = parse_flags(cls, container["args"])
+        except SystemExit:
+            pytest.fail(f"{name}: {container['args']} holds a flag {cls.__name__} does not declare")
+        settings = load(cls, flags, env)
+        assert to_flags(settings, env), f"{name}: nothing differs from the defaults"  # the chart sets its own
