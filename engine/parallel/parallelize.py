@@ -44,25 +44,11 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.dtype, device: str, block_size: int,
                  num_blocks: int, quantization: str = "none", kv_memory=None,
                  batch_invariant: bool = True) -> ModelRunner:
-    """This rank's model (quantized, then sharded for `ctx`) and KV cache (its KV heads only; in `kv_memory`,
-    see `engine.kv_cache.allocate_kv_cache`)."""
-    try:
-        model = build_model(checkpoint.config, checkpoint.weights, device)
-    except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
-        raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
-    if quantization == "int8":  # before sharding: every layout computes with the same int8 weights and scales
-        quantize_int8(model)
-    parallelize(model, ctx)
+    """This rank's runner: its model (`rank_model`), its KV cache (its KV heads only; in `kv_memory`, see
+    `engine.kv_cache.allocate_kv_cache`), and the runner that fits the layout."""
+    model = rank_model(checkpoint, ctx, device=device, quantization=quantization)
     if torch.device(device).type == "cpu":
-        rows = few_rows(dtype, batch_invariant)
-        for linear in (m for m in model.modules() if isinstance(m, Linear)):
-            linear.few_rows = rows
-        for linear in (m for m in model.modules() if isinstance(m, Int8Linear)):
-            linear.batch_invariant = batch_invariant
-        if rows or quantization == "int8":
-            # the few-row and int8 kernels read faster from huge pages; torch's bf16 `mv` does not, and a start pays
-            # 1-2.5 s more for them
-            to_huge_pages(model)
+        use_cpu_kernels(model, dtype, quantization, batch_invariant)
     kv_heads = model.layers[0].self_attn.num_kv_heads
     kv_cache = allocate_kv_cache(checkpoint.config, num_blocks, block_size, dtype, device, num_kv_heads=kv_heads,
                                  memory=kv_memory)
@@ -70,3 +56,28 @@ def build_runner(checkpoint: Checkpoint, ctx: ParallelContext, *, dtype: torch.d
     if ctx.config.cp > 1:
         return ContextParallelRunner(model, kv_cache, block_size, torch.device(device), ctx)
     return ModelRunner(model, kv_cache, block_size, torch.device(device))
+
+
+def rank_model(checkpoint: Checkpoint, ctx: ParallelContext, *, device: str, quantization: str = "none") -> Transformer:
+    """The model as this rank computes it: built from the checkpoint, quantized (before sharding, so every
+    layout computes with the same int8 weights and scales), then sharded for `ctx`."""
+    try:
+        model = build_model(checkpoint.config, checkpoint.weights, device)
+    except (KeyError, RuntimeError) as e:  # a missing tensor, or one whose shape does not fit the config
+        raise WeightsError(f"{checkpoint.source}: {e.args[0]}") from None
+    if quantization == "int8":
+        quantize_int8(model)
+    return parallelize(model, ctx)
+
+
+def use_cpu_kernels(model: Transformer, dtype: torch.dtype, quantization: str, batch_invariant: bool) -> None:
+    """Send the model's projections through the CPU kernels where they run (`few_rows`, int8's batch invariance)
+    and put its weights in huge pages when a kernel reads them: the few-row and int8 kernels read faster
+    there; torch's bf16 `mv` does not, and a start pays 1-2.5 s more for them."""
+    rows = few_rows(dtype, batch_invariant)
+    for linear in (m for m in model.modules() if isinstance(m, Linear)):
+        linear.few_rows = rows
+    for linear in (m for m in model.modules() if isinstance(m, Int8Linear)):
+        linear.batch_invariant = batch_invariant
+    if rows or quantization == "int8":
+        to_huge_pages(model)
