@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
@@ -52,8 +54,6 @@ def machine() -> str:
     except OSError:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import torch
-
     return f"{model}, {os.cpu_count()} cores, {memory:.0f} GiB, torch {torch.__version__}"
 
 

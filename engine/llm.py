@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
-from engine.core import EngineConfig, EngineCore
+from engine.core import EngineCore
+from engine.engine_config import DEFAULTS as ENGINE
+from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.model_info import DEFAULT_MODEL
 from engine.parallel.context import ExpertAttachment, ParallelConfig
@@ -61,7 +63,7 @@ class CompletionDelta:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "bfloat16", device: str = "cpu",
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = ENGINE.dtype, device: str = ENGINE.device,
                  tp: int = 1, cp: int = 1, ep: int = 1, cp_method: str = "auto",
                  experts: ExpertAttachment | None = None,
                  **engine_options) -> None:
