@@ -14,6 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl)  # the README's curl example is tested
 	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)  # builds the CPU kernels
+	ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1 && ldconfig -p | grep -q libnuma.so.1 \
+	  || (apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1)  # Mooncake's Transfer Engine loads them
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0

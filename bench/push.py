@@ -30,7 +30,7 @@ from mesh import rpc  # noqa: E402
 from protos.infermesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
-TRANSPORTS = ("grpc_stream", "torch_p2p", "shared_memory")
+TRANSPORTS = ("grpc_stream", "torch_p2p", "shared_memory", "mooncake")
 
 
 def ttft_s(stub, prompt: list[int]) -> float:

@@ -9,6 +9,7 @@ step may reuse. Each rank publishes its endpoint of each transport (`KV_ENDPOINT
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from engine.parallel.control import Store
@@ -16,7 +17,11 @@ from engine.threads import off_the_engine_thread
 from kvtransfer import transports
 from kvtransfer.control import KV_ENDPOINT, RESERVATION, KVEndpoint
 from kvtransfer.transport import KVReceiver
+from kvtransfer.transports import KVOptions
 from mesh import rpc
+
+log = logging.getLogger(__name__)
+WRITE_WAIT_S = 60.0  # a write's grant stream ends by its push's deadline (prefill's transfer timeout)
 
 
 def open_endpoints(rank: int, ranks: int, receiver: KVReceiver, links: rpc.Links,
@@ -47,20 +52,29 @@ class ReservationView:
 class KVFollower:
     """One follower rank's receiving side: its endpoints (alive as long as this object) and its reservations."""
 
-    def __init__(self, rank: int, store: Store, runner, host: str, ranks: int, shared: dict[str, str | None]) -> None:
+    def __init__(self, rank: int, store: Store, runner, host: str, ranks: int, shared: dict[str, str | None],
+                 options: KVOptions) -> None:
         self.view = ReservationView(store)
-        self.links = rpc.Links(host, thread_init=off_the_engine_thread)
-        receiver = KVReceiver(runner.kv_cache, self.view.get, self.view.lock)
-        self.endpoints = open_endpoints(rank, ranks, receiver, self.links, shared)
+        self.links = rpc.Links(host, thread_init=off_the_engine_thread, options=options)
+        self.receiver = KVReceiver(runner.kv_cache, self.view.get, self.view.lock)
+        self.endpoints = open_endpoints(rank, ranks, self.receiver, self.links, shared)
         for name, endpoint in self.endpoints.items():
             store.put(KV_ENDPOINT.key(name, rank), KVEndpoint(endpoint.address))
 
     def before_step(self, plan) -> None:
+        """Forget the ended reservations; a transport still writing into one of them itself (mooncake) is
+        waited for, since the step may reuse its blocks."""
         self.view.before_step(plan)
+        ended = plan.ended_reservations
+        if ended:
+            with self.view.lock:
+                if not self.receiver.wait_landed(ended, WRITE_WAIT_S):
+                    log.error("KV writes into ended reservations %s still open after %s s", list(ended), WRITE_WAIT_S)
 
 
-def accept_kv(rank: int, store: Store, runner, host: str, *, ranks: int, shared: dict[str, str | None]):
-    """The `follower_hook` of EngineCore (`Call.of(accept_kv, ranks=..., shared=...)`): open this rank's KV
-    endpoints on its `host` and publish them; returns the before-step hook (it keeps them for the process's
-    life)."""
-    return KVFollower(rank, store, runner, host, ranks, shared).before_step
+def accept_kv(rank: int, store: Store, runner, host: str, *, ranks: int, shared: dict[str, str | None],
+              options: KVOptions):
+    """The `follower_hook` of EngineCore (`Call.of(accept_kv, ranks=..., shared=..., options=...)`): open this
+    rank's KV endpoints on its `host` and publish them; returns the before-step hook (it keeps them for the
+    process's life)."""
+    return KVFollower(rank, store, runner, host, ranks, shared, options).before_step

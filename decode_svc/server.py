@@ -66,8 +66,8 @@ class DecodeService(internal_pb2_grpc.DecodeServicer):
             transport = transports.by_wire(request.transport or internal_pb2.KV_TRANSPORT_GRPC_STREAM)
             addresses = self.instance.kv_endpoints.get(transport.name)
             if addresses is None:
-                raise Unsupported(f"transport {transport.name} needs CPU KV caches; this instance offers "
-                                  f"{', '.join(self.instance.kv_endpoints)}")
+                raise Unsupported(f"transport {transport.name} needs {transport.needs(self.instance.device)}; this "
+                                  f"instance offers {', '.join(self.instance.kv_endpoints)}")
             table, cached = self.core.reserve(request.request_id, list(request.prompt_token_ids), params)
             return internal_pb2.ReserveResponse(target=internal_pb2.KVTarget(
                 decode_id=self.instance.id, transport=transport.wire, addresses=addresses,
@@ -207,12 +207,13 @@ class DecodeInstance(Instance):
         s = settings
         self._check_block_size()
         config = EngineConfig.from_settings(s)
+        self.device, options = config.device, transports.KVOptions.of(s)
         offered = [t for t in transports.TRANSPORTS if t.usable(config.device)]
         self.shared = {t.name: t.load().shared(s.host) for t in offered}  # hosted here for every rank
         shared = {name: obj.address if obj else None for name, obj in self.shared.items()}
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = Call.of(accept_kv, ranks=s.tp, shared=shared) if s.tp > 1 else None
+        followers = Call.of(accept_kv, ranks=s.tp, shared=shared, options=options) if s.tp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s))
@@ -229,7 +230,7 @@ class DecodeInstance(Instance):
                              lambda: self.core.borrowed_steps)
         self.prefix_cache_hits = self.metrics.counter("infermesh_prefix_cache_hits", "{token}",
                                                       "Prompt tokens whose KV the prefix cache already held")
-        self.links = rpc.Links(s.host, thread_init=off_the_engine_thread)
+        self.links = rpc.Links(s.host, thread_init=off_the_engine_thread, options=options)
         self.endpoints = open_endpoints(0, s.tp, self.core.receiver, self.links, shared)
         self.kv_endpoints = {name: [e.address, *(store.get(KV_ENDPOINT.key(name, r)).address for r in range(1, s.tp))]
                              for name, e in self.endpoints.items()}  # per transport: every rank's endpoint

@@ -43,7 +43,7 @@ import torch
 from kvtransfer import grpc_stream, local_socket
 from kvtransfer.grpc_stream import piece_head
 from kvtransfer.shm_arena import PREFIX, SHM_DIR, Region, alive, arena, owner_pid, sweep
-from kvtransfer.transport import KVReceiver, KVSender, PieceRejected, TransferError, TransferState, TransferStats
+from kvtransfer.transport import CPU, KVReceiver, KVSender, PieceRejected, TransferError, TransferState, TransferStats
 from protos.infermesh.v1 import internal_pb2
 
 # decode maps the sender's file read-only and only reads from it: torch need not warn
@@ -69,7 +69,7 @@ class SharedMemorySender(KVSender):
     def path(self) -> str:
         return arena().path
 
-    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype):
+    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = CPU):
         """A region of the arena for one layer: the sink gathers keys and values into it, `_piece` sends
         them as they lie. None when this push failed or /dev/shm is full (`_piece` then reports it)."""
         if self.state is TransferState.FAILED:

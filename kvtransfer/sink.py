@@ -61,7 +61,7 @@ class PlanSink:
                 keys, values = keys_all[rows, heads], values_all[rows, heads]
             else:  # gathered: into the sender's own memory when it has some
                 shape = (sum(n for _, n in source_runs), heads.stop - heads.start, keys_all.shape[-1])
-                keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype) or (None, None)
+                keys_out, values_out = sender.layer_buffers(shape, keys_all.dtype, keys_all.device) or (None, None)
                 keys = gather_rows(keys_all[:, heads], source_runs, keys_out)  # [sum(tokens), its heads, D]
                 values = gather_rows(values_all[:, heads], source_runs, values_out)
             sender.send_runs(layer, runs, keys, values)

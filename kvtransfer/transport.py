@@ -27,6 +27,7 @@ import torch
 
 from engine.errors import NoReservation, RequestError
 from kvtransfer.plan import Piece
+from kvtransfer.transports import KVOptions
 
 
 class TransferState(enum.Enum):
@@ -72,6 +73,7 @@ class KVReceiver:
         self.dtype = kv_cache[0][0].dtype
         self.lock = lock or threading.Lock()  # the owner frees reservations under the same lock
         self._landings: Counter[str] = Counter()  # request id -> landings open into its blocks (under lock)
+        self._landed = threading.Condition(self.lock)  # notified when a request's last landing closed
 
     def write(self, request_id: str, layer: int, dst_slot: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store `keys`/`values` [n, heads, head_dim] at slots dst_slot.. of `layer`; returns the bytes written."""
@@ -98,26 +100,45 @@ class KVReceiver:
         `write_runs` checks them, once for every layer. A receive that fails leaves the range half written:
         the transfer fails, and decode recomputes."""
         ranges = merge_runs(runs)
-        for layer in (layers[0], layers[-1]) if layers else ():  # a range: its ends bound every layer
-            self._check_layout(layer, runs, pieces=(shape, dtype))
         if self.on_landed is None or len(ranges) != 1 or not layers:
+            for layer in (layers[0], layers[-1]) if layers else ():
+                self._check_layout(layer, runs, pieces=(shape, dtype))
             yield None
             return
+        (slot, n), = ranges
+        with self.holding(request_id, layers, runs, shape, dtype):
+            yield [tuple(cache.view(-1, self.num_heads, self.head_dim)[slot:slot + n]  # [n, heads, head_dim]
+                         for cache in self.kv_cache[layer]) for layer in layers]
+
+    @contextlib.contextmanager
+    def holding(self, request_id: str, layers: range, runs: list[tuple[int, int]], shape: tuple[int, ...],
+                dtype: torch.dtype) -> Iterator[None]:
+        """Keep the request's blocks from reuse while a transport writes `runs` of `layers` into them itself
+        (pieces [shape] of `dtype`, checked first as `write_runs` checks them). When the reservation ends
+        meanwhile, `on_landed` says so once the last hold closed; a receiver without it is waited for with
+        `wait_landed` before its blocks are reused."""
+        for layer in (layers[0], layers[-1]) if layers else ():  # a range: its ends bound every layer
+            self._check_layout(layer, runs, pieces=(shape, dtype))
         with self.lock:
             self._check_reserved(request_id, runs)
             self._landings[request_id] += 1
-        (slot, n), = ranges
         try:
-            yield [tuple(cache.view(-1, self.num_heads, self.head_dim)[slot:slot + n]  # [n, heads, head_dim]
-                         for cache in self.kv_cache[layer]) for layer in layers]
+            yield
         finally:
             with self.lock:
                 self._landings[request_id] -= 1
                 ended = not self._landings[request_id] and self.reserved(request_id) is None
                 if not self._landings[request_id]:
                     del self._landings[request_id]
-            if ended:
+                    self._landed.notify_all()
+            if ended and self.on_landed is not None:
                 self.on_landed(request_id)
+
+    def wait_landed(self, request_ids, timeout_s: float) -> bool:
+        """Under `lock`: wait (releasing it) until no hold into the blocks of `request_ids` is open, at most
+        `timeout_s`; whether none is."""
+        return self._landed.wait_for(lambda: not any(self._landings[r] for r in request_ids if r in self._landings),
+                                     timeout_s)
 
     def landings(self, request_id: str) -> int:
         """Landings open into the request's blocks; read under `lock`."""
@@ -146,6 +167,7 @@ class KVReceiver:
                 raise PieceRejected(f"slots [{slot}, {slot + n}) are not inside blocks reserved for {request_id!r}")
 
 
+CPU = torch.device("cpu")
 SLICE_COPIES = 16  # up to this many contiguous destination ranges, a copy each beats one indexed copy
 
 
@@ -245,9 +267,10 @@ class KVSender(abc.ABC):
         self._error = error if isinstance(error, TransferError) else TransferError(f"sending KV failed: {error!r}")
         return self._error
 
-    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the sink should gather the next layer's keys and values [shape] (a transport that sends from
-        memory of its own), or None: anywhere."""
+    def layer_buffers(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = CPU
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the sink should gather the next layer's keys and values [shape] (of a cache on `device`: a
+        transport that sends from memory of its own), or None: anywhere."""
         return None
 
     def settle(self) -> None:  # noqa: B027 - a transport that copies what it sends has nothing to wait for
@@ -323,6 +346,7 @@ class Links(Protocol):
     """What the hosting service lends a transport: gRPC channels and servers with the service's settings."""
 
     host: str
+    options: KVOptions
 
     def channel(self, address: str) -> Any: ...
 

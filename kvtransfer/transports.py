@@ -15,6 +15,7 @@ module and one entry in `TRANSPORTS`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -24,6 +25,19 @@ from protos.infermesh.v1 import internal_pb2
 
 if TYPE_CHECKING:
     from kvtransfer.transport import Dialer, Endpoint, Shared
+
+
+@dataclass(frozen=True, slots=True)
+class KVOptions:
+    """What a service's settings (`mesh.settings.EngineSettings`, where they are declared and checked) tell
+    the transports it hosts, through `Links.options`."""
+
+    mooncake_protocol: str
+    mooncake_devices: str
+
+    @classmethod
+    def of(cls, settings) -> "KVOptions":
+        return cls(settings.mooncake_protocol, settings.mooncake_devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,7 @@ class Transport:
     wire: int  # internal_pb2.KVTransport
     module: str
     cpu_only: bool = False  # its receiver needs gloo (CPU caches)
+    requires: str = ""  # a module of an optional dependency it needs (an extra of the package)
 
     def load(self) -> Parts:
         module = importlib.import_module(self.module)
@@ -48,15 +63,34 @@ class Transport:
         return Parts(dialer=module.Dialer, shared=module.shared, endpoint=module.Endpoint)
 
     def usable(self, device: str) -> bool:
-        return device == "cpu" or not self.cpu_only
+        return not self.needs(device)
+
+    def needs(self, device: str) -> str:
+        """What this transport lacks on a `device` cache here ("": nothing)."""
+        if self.cpu_only and device != "cpu":
+            return "CPU KV caches"
+        if self.requires and not importable(self.requires):
+            return f"{self.requires.split('.')[0]} installed (pip install 'infermesh[{self.name}]')"
+        return ""
 
 
 TRANSPORTS = (
     Transport("grpc_stream", internal_pb2.KV_TRANSPORT_GRPC_STREAM, "kvtransfer.grpc_stream"),
     Transport("torch_p2p", internal_pb2.KV_TRANSPORT_TORCH_P2P, "kvtransfer.pairing", cpu_only=True),
     Transport("shared_memory", internal_pb2.KV_TRANSPORT_SHARED_MEMORY, "kvtransfer.shared_memory"),  # one host
+    Transport("mooncake", internal_pb2.KV_TRANSPORT_MOONCAKE, "kvtransfer.mooncake", requires="mooncake.engine"),
 )
 NAMES = tuple(t.name for t in TRANSPORTS)
+
+
+@functools.cache
+def importable(module: str) -> bool:
+    """Whether `module` imports here (an optional dependency installed, with the libraries it loads)."""
+    try:
+        importlib.import_module(module)
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def by_name(name: str) -> Transport:

@@ -189,8 +189,11 @@ def up(
         SPEC.local_prefill_max_tokens, help="Prompts whose uncached part is at most this many tokens are prefilled "
                                             "on decode."),
     kv_transport: str = typer.Option(
-        SPEC.kv_transport, help="grpc_stream | torch_p2p | shared_memory (one host): how prefill pushes KV to "
-                                "decode."),
+        SPEC.kv_transport, help="grpc_stream | torch_p2p | shared_memory (one host) | mooncake: how prefill "
+                                "pushes KV to decode."),
+    mooncake_protocol: str = typer.Option(SPEC.mooncake_protocol, help="The mooncake transport's: tcp | rdma."),
+    mooncake_devices: str = typer.Option(SPEC.mooncake_devices, help="RDMA NICs for mooncake over rdma, e.g. "
+                                                                     "mlx5_0,mlx5_1 (empty: Mooncake picks)."),
     experts: int = typer.Option(0, help="Expert instances hosting an MoE model's experts (0: inside each instance)."),
     expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
     registry: str = typer.Option(SPEC.registry, help="memory (served by this process) | redis://HOST:PORT"),
@@ -216,7 +219,8 @@ def up(
     """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
-                kv_transport=kv_transport, experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
+                kv_transport=kv_transport, mooncake_protocol=mooncake_protocol, mooncake_devices=mooncake_devices,
+                experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
                 metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
                 max_num_batched_tokens=max_num_batched_tokens, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):

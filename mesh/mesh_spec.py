@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.engine_config import DEFAULTS as ENGINE
-from mesh.settings import RouterSettings
+from mesh.settings import DecodeSettings, RouterSettings
 
 ROUTER = RouterSettings()  # the defaults of the settings every service shares, and the router's own
+ENGINES = DecodeSettings()  # those of prefill and decode instances
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,6 +25,8 @@ class MeshSpec:
     decode_tp: int = 1
     local_prefill_max_tokens: int = ROUTER.local_prefill_max_tokens  # shorter uncached parts: prefilled on decode
     kv_transport: str = ROUTER.kv_transport
+    mooncake_protocol: str = ENGINES.mooncake_protocol
+    mooncake_devices: str = ENGINES.mooncake_devices
     http_port: int | None = ROUTER.http_port  # the router's OpenAI-compatible HTTP front (0: any free port)
     experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
     expert_ep: int = 1  # EP ranks per expert instance

@@ -177,10 +177,12 @@ class ChannelPool:
 
 class Links:
     """What a service lends the KV transports it hosts (`kvtransfer.transports`): pooled channels to peers,
-    and gRPC servers of its own on `host`; `close()` closes and stops them all."""
+    gRPC servers of its own on `host` (`close()` closes and stops them all), and `options`, what the service's
+    settings tell the transports (a `kvtransfer.transports.KVOptions`)."""
 
-    def __init__(self, host: str, thread_init: Callable[[], None] | None = None) -> None:
+    def __init__(self, host: str, thread_init: Callable[[], None] | None = None, options: object = None) -> None:
         self.host, self.thread_init = host, thread_init  # run first on each thread of the servers it starts
+        self.options = options
         self._channels = ChannelPool()
         self._servers: list[grpc.Server] = []
 

@@ -23,6 +23,7 @@ from engine.engine_config import DEFAULTS as ENGINE
 from engine.engine_config import EngineConfig
 
 ENV_PREFIX = "INFERMESH_"
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,10 +93,15 @@ class EngineSettings(RankedSettings):
     batch_invariant: bool = ENGINE.batch_invariant
     experts: str = ""  # host:port of an expert instance to run the MoE experts on ("": on this instance's ranks)
     expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
+    mooncake_protocol: str = "tcp"  # the mooncake KV transport's: tcp, or rdma (RDMA NICs)
+    mooncake_devices: str = ""  # the RDMA NICs it uses, comma-separated, e.g. mlx5_0,mlx5_1 ("": Mooncake picks)
 
     def __post_init__(self) -> None:
         super(EngineSettings, self).__post_init__()
         EngineConfig.from_settings(self)  # the engine's own checks, named as settings
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, "
+                             f"got {self.mooncake_protocol!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

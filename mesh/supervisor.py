@@ -104,7 +104,8 @@ class Supervisor:
             self.registry_address = f"grpc://{address}"
         common = dict(model=s.model, registry=self.registry_address, trace=s.trace, metrics=s.metrics, host=s.host)
         engine = dict(common, dtype=s.dtype, quantization=s.quantization, kv_cache_bytes=s.kv_cache_bytes,
-                      batch_invariant=s.batch_invariant, max_num_batched_tokens=s.max_num_batched_tokens)
+                      batch_invariant=s.batch_invariant, max_num_batched_tokens=s.max_num_batched_tokens,
+                      mooncake_protocol=s.mooncake_protocol, mooncake_devices=s.mooncake_devices)
         self._settings = {  # what each role's instances load (the environment fills what the spec leaves out)
             Role.PREFILL: load(PrefillSettings, dict(engine, cp=s.prefill_cp,  # decode reads its KV cache in place:
                                                      shared_kv_cache=s.kv_transport == "shared_memory")),

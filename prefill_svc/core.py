@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams, TokenLogprobs
 from kvtransfer.control import PushSpec
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.transport import TransferError, TransferStats
+from kvtransfer.transports import KVOptions
 from mesh.telemetry import outgoing_metadata
 from prefill_svc import push
 
@@ -45,11 +46,13 @@ class PrefillResult:
 
 class PrefillCore:
     def __init__(self, engine: EngineCore, *, host: str = "127.0.0.1", transfer_timeout_s: float = 60.0,
-                 on_failure: Callable[[BaseException], None] | None = None, cpus: CpuLending | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None, cpus: CpuLending | None = None,
+                 options: KVOptions | None = None) -> None:
         """`host`: the interface this instance's KV pushes leave from; `on_failure(error)`: a step raised;
-        `cpus`: the cores this instance holds while it works (engine.loop)."""
+        `cpus`: the cores this instance holds while it works (engine.loop); `options`: what the settings tell
+        the transports (the mooncake transport needs them)."""
         self.engine, self.transfer_timeout_s, self.on_failure = engine, transfer_timeout_s, on_failure
-        self.links = push.DecodeLinks(0, engine.parallel.cp, host)
+        self.links = push.DecodeLinks(0, engine.parallel.cp, host, options)
         self.total_requests = 0
         self.followers = range(1, engine.parallel.cp)  # the other CP ranks push their own tokens
         self.store = engine.executor.store if self.followers else None

@@ -36,8 +36,8 @@ from mesh.telemetry import setup_tracing, tracer
 class DecodeLinks:
     """One prefill rank's connections to decode instances, reused across requests (thread-safe)."""
 
-    def __init__(self, rank: int, ranks: int, host: str) -> None:
-        self.rank, self.ranks, self.links = rank, ranks, rpc.Links(host)
+    def __init__(self, rank: int, ranks: int, host: str, options: transports.KVOptions | None = None) -> None:
+        self.rank, self.ranks, self.links = rank, ranks, rpc.Links(host, options=options)
         self._dialers: dict[str, Dialer] = {}
         self._lock = threading.Lock()
 
@@ -84,11 +84,12 @@ def forget(store: Store, request_id: str, ranks: range) -> None:
         store.delete(key)
 
 
-def push_kv(rank: int, store: Store, runner, host: str, *, trace_spec: str = "none"):
+def push_kv(rank: int, store: Store, runner, host: str, *, trace_spec: str = "none",
+            options: transports.KVOptions | None = None):
     """The `follower_hook` of EngineCore: push this rank's share of every pushed prompt from its `host`;
-    returns the before-step hook. Pass it as `Call.of(push_kv, trace_spec=...)`."""
+    returns the before-step hook. Pass it as `Call.of(push_kv, trace_spec=..., options=...)`."""
     setup_tracing(trace_spec, "prefill")
-    links = DecodeLinks(rank, runner.cp_size, host)  # the prefill instance's ranks are its CP ranks
+    links = DecodeLinks(rank, runner.cp_size, host, options)  # the prefill instance's ranks are its CP ranks
     last_layer = len(runner.kv_cache) - 1
 
     def before_step(plan):

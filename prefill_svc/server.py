@@ -117,12 +117,13 @@ class PrefillInstance(Instance):
         config = EngineConfig.from_settings(s)
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.cp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
-        followers = Call.of(push_kv, trace_spec=s.trace) if s.cp > 1 else None
+        options = transports.KVOptions.of(s)
+        followers = Call.of(push_kv, trace_spec=s.trace, options=options) if s.cp > 1 else None
         engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
                             rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None)
         self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail(),
-                                cpus=cpu_lending.from_flags(s.cpus)).start()
+                                cpus=cpu_lending.from_flags(s.cpus), options=options).start()
         m = self.metrics
         m.gauges(engine.load, ENGINE_LOAD)
         self.prefix_cache_hits = m.counter("infermesh_prefix_cache_hits", "{token}",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 from pathlib import Path
+
+import psutil
 
 from protos.infermesh.v1 import internal_pb2
 
@@ -67,3 +70,13 @@ def descendants(pid: int) -> list[int]:
         for child in map(int, children.split()):
             found += [child, *descendants(child)]
     return found
+
+
+def listening(pids: list[int]) -> set[str]:
+    """The addresses (ip:port) the processes `pids` accept TCP connections on (IPv4 in IPv6 as IPv4)."""
+    def ip(text: str) -> str:
+        address = ipaddress.ip_address(text)
+        return str(getattr(address, "ipv4_mapped", None) or address)
+
+    return {f"{ip(c.laddr.ip)}:{c.laddr.port}" for pid in pids for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}

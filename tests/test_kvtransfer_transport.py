@@ -20,13 +20,14 @@ from engine.core import EngineConfig, EngineCore
 from engine.errors import NoReservation
 from engine.kv_cache import KVStripe
 from engine.weights import load_checkpoint
-from kvtransfer import grpc_stream, local_socket, shared_memory, shm_arena
+from kvtransfer import grpc_stream, local_socket, mooncake, shared_memory, shm_arena
 from kvtransfer.grpc_stream import GrpcStreamSender
 from kvtransfer.plan import DecodeLayout, Piece
 from kvtransfer.sink import PlanSink
 from kvtransfer.torch_p2p import part_pair
 from kvtransfer.transport import KVReceiver, LoopbackSender, PieceRejected, TransferError, TransferState, run_rows
-from mesh.rpc import start_server
+from kvtransfer.transports import KVOptions
+from mesh.rpc import Links, start_server
 from protos.infermesh.v1 import internal_pb2, internal_pb2_grpc
 from tests.conftest import TINY_VOCAB
 from tests.helpers import wait_until
@@ -63,6 +64,14 @@ def pair(tiny_checkpoint, request):
         yield prefill, decode, endpoint.address, reference, shared_memory.SharedMemorySender
         endpoint.stop()
         return
+    if transport is mooncake:  # one Transfer Engine in this process: prefill writes to its own segment
+        links = Links("127.0.0.1", options=KVOptions("tcp", ""))
+        endpoint, dialer = mooncake.Endpoint(0, 1, receiver, links, None), mooncake.Dialer(0, 1, links)
+        yield prefill, decode, endpoint.address, reference, \
+            lambda address, request_id, rank, timeout_s=60.0: dialer.senders((address,), 0, request_id, timeout_s)[0]
+        endpoint.stop()
+        links.close()
+        return
     server, port, _ = start_server("127.0.0.1", 0, [(grpc_stream.add_to_server, grpc_stream.KVTransferService(receiver),
                                                      "infermesh.v1.KVTransfer")])  # with the typed-error edge
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -95,8 +104,8 @@ def transfer(prefill: EngineCore, decode: EngineCore, channel, request_id: str, 
     return sink, first, source_table
 
 
-@pytest.mark.parametrize("pair", [grpc_stream, shared_memory, (shared_memory, True)], indirect=True,
-                         ids=["grpc_stream", "shared_memory", "shared_memory-from-the-cache"])
+@pytest.mark.parametrize("pair", [grpc_stream, shared_memory, (shared_memory, True), mooncake], indirect=True,
+                         ids=["grpc_stream", "shared_memory", "shared_memory-from-the-cache", "mooncake"])
 def test_kv_moves_between_block_sizes_and_decode_continues_exactly(pair):
     prefill, decode, channel, reference, sender = pair
     g = torch.Generator().manual_seed(5)

@@ -20,7 +20,7 @@ from engine import LLM, SamplingParams
 from engine.cpus import available_cores, parse_cpus, share
 from mesh.metrics import scrape
 from tests.conftest import TINY_VOCAB
-from tests.helpers import assert_exited, descendants, task_files
+from tests.helpers import assert_exited, descendants, listening, task_files
 from tests.test_parity_tiny import hf_greedy
 from tests.test_router import GREEDY, generate
 
@@ -85,7 +85,7 @@ def started(address: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("registry,transport", [("memory", "grpc_stream"), ("redis", "torch_p2p"),
-                                                ("memory", "shared_memory")])
+                                                ("memory", "shared_memory"), ("memory", "mooncake")])
 def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tiny_checkpoint, request, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     spans_file = tmp_path / "spans.jsonl"
@@ -131,6 +131,13 @@ def test_up_serves_the_engines_tokens_and_stops_cleanly(registry, transport, tin
         assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
         (decode,) = [i for i in status["instances"] if i["role"] == "decode"]
         assert scrape(decode["metrics_url"])[("infermesh_kv_recomputed_requests_total", ())] == 0  # the KV came
+        if transport == "mooncake":  # Mooncake's two listeners (its handshake, its tcp transport) bind every
+            # interface (README, Security): in each rank of prefill and decode, and in no other process
+            ranks = [p for role in ("prefill", "decode") for p in [pid[role], *descendants(pid[role])]]
+            others = [proc.pid, pid["router"]]
+            wildcard = {p: {a for a in listening([p]) if not a.startswith("127.0.0.1:")} for p in ranks + others}
+            assert all(sorted(a.rsplit(":", 1)[0] for a in wildcard[p]) == ["0.0.0.0", "::"] for p in ranks), wildcard
+            assert not any(wildcard[p] for p in others)
     finally:
         stop_mesh(proc, pids)
     spans = [json.loads(line) for line in spans_file.read_text().splitlines()]

@@ -5,14 +5,12 @@ command line or a log. Every process of a mesh listens on the interface it was g
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
-import psutil
 import pytest
 
 from mesh.auth import ADMIN_TOKEN_ENV
-from tests.helpers import descendants
+from tests.helpers import descendants, listening
 from tests.test_mesh_processes import cli, start_mesh, started, stop_mesh
 
 pytestmark = pytest.mark.slow  # whole meshes of processes, real weights or benchmarks: minutes in all
@@ -52,16 +50,6 @@ def test_admin_operations_need_the_admin_token(tiny_checkpoint, tmp_path):
         stop_mesh(proc, pids)
     logs = list(tmp_path.glob("*.log"))
     assert logs and not [log.name for log in logs if TOKEN in log.read_text(errors="replace")]
-
-
-def listening(pids: list[int]) -> set[str]:
-    """The addresses (ip:port) the processes `pids` accept TCP connections on (IPv4 in IPv6 as IPv4)."""
-    def ip(text: str) -> str:
-        address = ipaddress.ip_address(text)
-        return str(getattr(address, "ipv4_mapped", None) or address)
-
-    return {f"{ip(c.laddr.ip)}:{c.laddr.port}" for pid in pids for c in psutil.Process(pid).net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN}
 
 
 def test_every_process_listens_on_the_configured_interface_alone(tiny_checkpoint):

@@ -32,26 +32,26 @@ def test_importing_and_building_the_router_leaves_torch_out():
 
 
 def test_every_transport_is_one_entry_by_name_and_by_wire_value():
-    assert transports.NAMES == ("grpc_stream", "torch_p2p", "shared_memory")
+    assert transports.NAMES == ("grpc_stream", "torch_p2p", "shared_memory", "mooncake")
     for t in transports.TRANSPORTS:
         assert transports.by_name(t.name) is t and transports.by_wire(t.wire) is t
         parts = t.load()
         assert all(callable(part) for part in (parts.dialer, parts.shared, parts.endpoint))
     with pytest.raises(ValueError, match="kv_transport must be one of grpc_stream, torch_p2p, shared_memory, "
-                                         "got 'carrier_pigeon'"):
+                                         "mooncake, got 'carrier_pigeon'"):
         transports.by_name("carrier_pigeon")
     with pytest.raises(Unsupported, match="got KV_TRANSPORT_UNSPECIFIED"):
         transports.by_wire(internal_pb2.KV_TRANSPORT_UNSPECIFIED)
     with pytest.raises(Unsupported, match="got 99"):
         transports.by_wire(99)
-    assert [t.usable("cuda") for t in transports.TRANSPORTS] == [True, False, True]  # torch_p2p receives on gloo
+    assert [t.usable("cuda") for t in transports.TRANSPORTS] == [True, False, True, True]  # torch_p2p: gloo
 
 
 def test_a_decode_instance_offers_every_transport_usable_on_its_device(tiny_checkpoint):
     folder, _ = tiny_checkpoint("llama")
     decode = DecodeInstance(DecodeSettings(model=str(folder), dtype="float32", kv_cache_bytes=1 << 22))
     try:
-        assert set(decode.kv_endpoints) == {"grpc_stream", "torch_p2p", "shared_memory"}
+        assert set(decode.kv_endpoints) == {"grpc_stream", "torch_p2p", "shared_memory", "mooncake"}
         assert decode.kv_endpoints["torch_p2p"] == [decode.shared["torch_p2p"].address]  # its pairing store
         assert decode.kv_endpoints["grpc_stream"] != [decode.address]  # a KVTransfer server of the rank's own
     finally:

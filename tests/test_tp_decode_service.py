@@ -73,7 +73,8 @@ def test_kv_over_torch_p2p_pair_groups_formed_on_demand_gives_the_engine_tokens(
     assert prefill.core.total_requests - before == sum(len(p) > 20 for p in prompts)
 
 
-@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P])
+@pytest.mark.parametrize("transport", [internal_pb2.KV_TRANSPORT_GRPC_STREAM, internal_pb2.KV_TRANSPORT_TORCH_P2P,
+                                       internal_pb2.KV_TRANSPORT_MOONCAKE])
 def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh, transport):
     _, prefill_instance, decode_instance, reference, _ = cp_tp_mesh
     prefill = internal_pb2_grpc.PrefillStub(channel(prefill_instance.address))
@@ -94,6 +95,7 @@ def test_both_prefill_ranks_push_every_token_and_report_the_cp_method(cp_tp_mesh
         assert done.cp_method in (internal_pb2.CP_METHOD_PASS_KV, internal_pb2.CP_METHOD_PASS_Q) and done.cp_reason
         assert tokens == reference.generate([prompt], GREEDY)[0].token_ids
     assert first_token[0] == 0 and done.cached_tokens == 56  # 7 full blocks of 8
+    assert decode_instance.core.engine.recomputed_requests == 0  # the pushed KV was used, not computed again
 
 
 def test_a_push_that_cannot_reach_decode_fails_on_every_rank_and_decode_recomputes(cp_tp_mesh):

@@ -210,6 +210,10 @@ imagePullSecrets:
     - --quantization={{ .root.Values.model.quantization }}
     - --batch-invariant={{ .root.Values.model.batchInvariant }}
     - --kv-cache-bytes={{ int64 .v.kvCacheBytes }}
+    - --mooncake-protocol={{ .root.Values.mooncake.protocol }}
+    {{- with .root.Values.mooncake.devices }}
+    - --mooncake-devices={{ . }}
+    {{- end }}
     {{- if gt (int .root.Values.expert.replicas) 0 }}
     - --experts={{ .root.Release.Name }}-expert:{{ .root.Values.ports.grpc }}
     {{- end }}

@@ -15,6 +15,7 @@ class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSPORT_GRPC_STREAM: _ClassVar[KVTransport]
     KV_TRANSPORT_TORCH_P2P: _ClassVar[KVTransport]
     KV_TRANSPORT_SHARED_MEMORY: _ClassVar[KVTransport]
+    KV_TRANSPORT_MOONCAKE: _ClassVar[KVTransport]
 
 class KVStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ KV_TRANSPORT_UNSPECIFIED: KVTransport
 KV_TRANSPORT_GRPC_STREAM: KVTransport
 KV_TRANSPORT_TORCH_P2P: KVTransport
 KV_TRANSPORT_SHARED_MEMORY: KVTransport
+KV_TRANSPORT_MOONCAKE: KVTransport
 KV_STATUS_UNSPECIFIED: KVStatus
 KV_STATUS_READY: KVStatus
 KV_STATUS_FAILED: KVStatus
@@ -233,6 +235,56 @@ class KVLayerRef(_message.Message):
     keys_offset: int
     values_offset: int
     def __init__(self, layer: _Optional[int] = ..., keys_offset: _Optional[int] = ..., values_offset: _Optional[int] = ...) -> None: ...
+
+class KVWriteRequest(_message.Message):
+    __slots__ = ("open", "done")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    open: KVWriteOpen
+    done: KVWriteDone
+    def __init__(self, open: _Optional[_Union[KVWriteOpen, _Mapping]] = ..., done: _Optional[_Union[KVWriteDone, _Mapping]] = ...) -> None: ...
+
+class KVWriteOpen(_message.Message):
+    __slots__ = ("request_id", "dst_rank", "first_layer", "last_layer", "dst_slots", "run_tokens", "dtype")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    dst_rank: int
+    first_layer: int
+    last_layer: int
+    dst_slots: _containers.RepeatedScalarFieldContainer[int]
+    run_tokens: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, request_id: _Optional[str] = ..., dst_rank: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., dst_slots: _Optional[_Iterable[int]] = ..., run_tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class KVWriteDone(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class KVWriteResponse(_message.Message):
+    __slots__ = ("grant", "ack")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    grant: KVWriteGrant
+    ack: PushResponse
+    def __init__(self, grant: _Optional[_Union[KVWriteGrant, _Mapping]] = ..., ack: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
+
+class KVWriteGrant(_message.Message):
+    __slots__ = ("segment", "keys", "values")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("bytes", "pieces")

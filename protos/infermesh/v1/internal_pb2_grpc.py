@@ -423,6 +423,90 @@ class KVTransfer:
             _registered_method=True)
 
 
+class KVWriteStub:
+    """The mooncake KV transport's grants, served by decode instances: one stream per (request, destination rank).
+    Prefill opens it with the runs it will write; decode checks them against the request's reservation, holds
+    those blocks back from reuse and grants their addresses; prefill writes with its Transfer Engine, then says
+    it is done; decode acknowledges and lets the hold go (so does a stream that breaks).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Write = channel.stream_stream(
+                '/infermesh.v1.KVWrite/Write',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteResponse.FromString,
+                _registered_method=True)
+
+
+class KVWriteServicer:
+    """The mooncake KV transport's grants, served by decode instances: one stream per (request, destination rank).
+    Prefill opens it with the runs it will write; decode checks them against the request's reservation, holds
+    those blocks back from reuse and grants their addresses; prefill writes with its Transfer Engine, then says
+    it is done; decode acknowledges and lets the hold go (so does a stream that breaks).
+    """
+
+    def Write(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVWriteServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Write': grpc.stream_stream_rpc_method_handler(
+                    servicer.Write,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'infermesh.v1.KVWrite', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('infermesh.v1.KVWrite', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVWrite:
+    """The mooncake KV transport's grants, served by decode instances: one stream per (request, destination rank).
+    Prefill opens it with the runs it will write; decode checks them against the request's reservation, holds
+    those blocks back from reuse and grants their addresses; prefill writes with its Transfer Engine, then says
+    it is done; decode acknowledges and lets the hold go (so does a stream that breaks).
+    """
+
+    @staticmethod
+    def Write(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/infermesh.v1.KVWrite/Write',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.KVWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AdminStub:
     """Served by every instance.
     """
