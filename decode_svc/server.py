@@ -33,7 +33,7 @@ from engine.parallel.tp import head_shard
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.threads import off_the_engine_thread, pin_cpus
 from engine.weights import load_checkpoint
-from kvtransfer import transports
+from kvtransfer import kv_pool, transports
 from kvtransfer.control import KV_ENDPOINT
 from kvtransfer.grpc_stream import WIRE_DTYPES
 from mesh import rpc
@@ -214,14 +214,17 @@ class DecodeInstance(Instance):
         experts = ExpertAttachment(**rpc.attach_to_experts(s.experts, self.id, s.tp, s.model),
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
         followers = Call.of(accept_kv, ranks=s.tp, shared=shared, options=options) if s.tp > 1 else None
-        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
+        checkpoint = load_checkpoint(s.model, config.torch_dtype)
+        pool = kv_pool.attach(s.kv_pool_master, checkpoint, config, s.host, s.kv_pool_timeout_s)
+        engine = EngineCore(checkpoint, config,
                             ParallelConfig(tp=s.tp, experts=experts), follower_hook=followers,
-                            rendezvous=Rendezvous.of(s))
+                            rendezvous=Rendezvous.of(s), kv_pool=pool)
         store = engine.executor.store if s.tp > 1 else None
         self.core = DecodeCore(engine, shared_store=store, on_failure=lambda _: self.fail(),
                                lease_s=s.reservation_lease_s,
                                cpus=cpu_lending.from_flags(s.cpus, s.borrow_cpus)).start()
         self.metrics.gauges(engine.load, ENGINE_LOAD)
+        self.count_engine(engine)
         self.metrics.counted("infermesh_kv_recomputed_requests", "{request}",
                              "Reserved requests prefilled here after all: their KV transfer failed or came late",
                              lambda: engine.recomputed_requests)

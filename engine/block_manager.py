@@ -126,6 +126,14 @@ class BlockManager:
                 self.cached[h] = block
             # else: a matched block already carries h, or another block holds this prefix.
 
+    def adopt(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """Publish `blocks` (filled from elsewhere: a KV pool) under their chain `hashes`, where no other
+        block holds that prefix already."""
+        for block, h in zip(blocks, hashes):
+            if self.hash_of[block] is None and h not in self.cached:
+                self.hash_of[block] = h
+                self.cached[h] = block
+
     # ---- allocation ---------------------------------------------------------------
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:

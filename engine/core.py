@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import KVCacheFull, NoReservation, RequestError
 from engine.handoff import KVHandoff, KVSink
 from engine.kv_cache import num_blocks_for
+from engine.kv_tier import KVPool, KVTier
 from engine.limits import check_prompt
 from engine.parallel.context import ParallelConfig, connect
 from engine.parallel.executor import ParallelExecutor
@@ -55,12 +57,14 @@ class StepOutput:
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), follower_hook=None,
-                 rendezvous: Rendezvous = Rendezvous(), kv_memory=None) -> None:
+                 rendezvous: Rendezvous = Rendezvous(), kv_memory=None,
+                 kv_pool: Callable[[list], KVPool] | None = None) -> None:
         """`follower_hook`: a `control.Call` of `(rank, store, runner, host) -> before_step(plan)`, run by ranks
         1..N-1 of a parallel instance once their model is built (a service uses it to accept pushed KV on
         every rank). `rendezvous`: where the ranks meet, which of them run here, the address rank 0 binds.
         `kv_memory(shape, dtype) -> zeroed tensor`: where every rank's KV cache lives (an importable function;
-        default: private memory on the configured device)."""
+        default: private memory on the configured device). `kv_pool(kv_cache) -> KVPool`: a tier below the
+        cache that full blocks are stored to and prompts' blocks loaded from (`engine.kv_tier`; one rank)."""
         self.config, self.parallel = config, parallel
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -79,6 +83,10 @@ class EngineCore:
         num_blocks *= parallel.cp  # each CP rank holds its stripe of the instance's blocks (engine.kv_cache)
         self.blocks = BlockManager(num_blocks, config.block_size, pools=parallel.cp)
         self.recomputed_requests = 0  # reserved requests prefilled here after all (their KV did not come)
+        self.prompt_tokens_computed = 0  # prompt tokens this engine ran through the model (not found cached)
+        if kv_pool is not None and parallel.world_size > 1:
+            raise ValueError(f"a KV pool serves engines of one rank, got {parallel}")
+        self.kv_tier = None if kv_pool is None else KVTier(kv_pool(self.kv_cache), self.blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens),
             self.blocks,
@@ -197,11 +205,16 @@ class EngineCore:
     # ---- the loop -----------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self.kv_tier is not None:
+            self.kv_tier.before_schedule(self.scheduler.waiting)
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self.prompt_tokens_computed += sum(max(0, min(c.end, c.seq.num_prompt_tokens) - c.start) for c in chunks)
         sampling, logits = self.run_model(chunks)
         self.scheduler.update(chunks)
+        if self.kv_tier is not None:
+            self.kv_tier.after_update(c.seq for c in chunks)
         if not sampling:
             return []
         seqs = [c.seq for c in sampling]
@@ -264,6 +277,8 @@ class EngineCore:
         return StepOutput(seq.request_id, [token], seq.text[emitted:upto], reason, [logprob] if logprob else [])
 
     def _forget(self, request_id: str) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.forget(request_id)
         for table in (self._sequences, self._detokenizers, self._emitted, self._seeded, self.handoff.sinks):
             table.pop(request_id, None)
 

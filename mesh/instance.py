@@ -89,6 +89,23 @@ class Instance:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
+    def count_engine(self, engine) -> None:
+        """What every engine instance counts (an `engine.core.EngineCore`): the prompt tokens it computed and,
+        with a KV pool, the pool's work."""
+        m, tier = self.metrics, engine.kv_tier
+        m.counted("infermesh_prompt_tokens_computed", "{token}", "Prompt tokens this instance computed (not found "
+                  "in its prefix cache or the KV pool)", lambda: engine.prompt_tokens_computed)
+        if tier is None:
+            return
+        m.counted("infermesh_kv_pool_loaded_tokens", "{token}", "Prompt tokens loaded from the KV pool",
+                  lambda: tier.loaded_tokens)
+        m.counted("infermesh_kv_pool_stored_tokens", "{token}", "Tokens of full blocks given to the KV pool",
+                  lambda: tier.stored_tokens)
+        m.counted("infermesh_kv_pool_errors", "{error}", "KV pool lookups, loads and stores that failed or were "
+                  "late (the engine computed instead)", lambda: tier.pool.errors)
+        m.counted("infermesh_kv_pool_lookup_seconds", "s", "Time spent looking blocks up in the KV pool",
+                  lambda: tier.pool.lookup_seconds)
+
     def serve(self, services: Sequence[tuple[Callable, object, str]],
               block_hashes: Callable[[], set[int]] | None = None) -> None:
         """Start the gRPC server with `services` and Admin, enter SERVING and register (heartbeat)."""

@@ -27,6 +27,7 @@ class MeshSpec:
     kv_transport: str = ROUTER.kv_transport
     mooncake_protocol: str = ENGINES.mooncake_protocol
     mooncake_devices: str = ENGINES.mooncake_devices
+    kv_pool: str = ENGINES.kv_pool
     http_port: int | None = ROUTER.http_port  # the router's OpenAI-compatible HTTP front (0: any free port)
     experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
     expert_ep: int = 1  # EP ranks per expert instance

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass
 
@@ -95,6 +96,10 @@ class EngineSettings(RankedSettings):
     expert_timeout_s: float = 30.0  # a step waiting longer than this on the expert instance fails
     mooncake_protocol: str = "tcp"  # the mooncake KV transport's: tcp, or rdma (RDMA NICs)
     mooncake_devices: str = ""  # the RDMA NICs it uses, comma-separated, e.g. mlx5_0,mlx5_1 ("": Mooncake picks)
+    # none, or mooncake://HOST:PORT (a Mooncake Store master): a KV pool below the cache, shared by every engine
+    # that names it (one-rank engines); full blocks are stored there and prompts' blocks loaded from it
+    kv_pool: str = "none"
+    kv_pool_timeout_s: float = 2.0  # a pool lookup or load taking longer is given up: the engine computes
 
     def __post_init__(self) -> None:
         super(EngineSettings, self).__post_init__()
@@ -102,6 +107,15 @@ class EngineSettings(RankedSettings):
         if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
             raise ValueError(f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, "
                              f"got {self.mooncake_protocol!r}")
+        if self.kv_pool != "none" and not re.fullmatch(r"mooncake://[^:/]+:\d+", self.kv_pool):
+            raise ValueError(f"kv_pool must be none or mooncake://HOST:PORT, got {self.kv_pool!r}")
+        if self.kv_pool_timeout_s <= 0:
+            raise ValueError(f"kv_pool_timeout_s must be > 0, got {self.kv_pool_timeout_s}")
+
+    @property
+    def kv_pool_master(self) -> str | None:
+        """HOST:PORT of the pool's master, or None."""
+        return None if self.kv_pool == "none" else self.kv_pool.removeprefix("mooncake://")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +126,8 @@ class PrefillSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         super(PrefillSettings, self).__post_init__()
+        if self.kv_pool != "none" and self.cp != 1:
+            raise ValueError(f"kv_pool serves engines of one rank for now, got cp={self.cp}")
         if self.shared_kv_cache and self.device != "cpu":
             raise ValueError(f"shared_kv_cache holds the KV cache in /dev/shm, host memory: device must be cpu, "
                              f"got {self.device!r}")
@@ -125,6 +141,8 @@ class DecodeSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         super(DecodeSettings, self).__post_init__()
+        if self.kv_pool != "none" and self.tp != 1:
+            raise ValueError(f"kv_pool serves engines of one rank for now, got tp={self.tp}")
         if self.borrow_cpus:
             parse_cpus(self.borrow_cpus)
             if not self.cpus:

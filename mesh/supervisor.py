@@ -105,7 +105,7 @@ class Supervisor:
         common = dict(model=s.model, registry=self.registry_address, trace=s.trace, metrics=s.metrics, host=s.host)
         engine = dict(common, dtype=s.dtype, quantization=s.quantization, kv_cache_bytes=s.kv_cache_bytes,
                       batch_invariant=s.batch_invariant, max_num_batched_tokens=s.max_num_batched_tokens,
-                      mooncake_protocol=s.mooncake_protocol, mooncake_devices=s.mooncake_devices)
+                      mooncake_protocol=s.mooncake_protocol, mooncake_devices=s.mooncake_devices, kv_pool=s.kv_pool)
         self._settings = {  # what each role's instances load (the environment fills what the spec leaves out)
             Role.PREFILL: load(PrefillSettings, dict(engine, cp=s.prefill_cp,  # decode reads its KV cache in place:
                                                      shared_kv_cache=s.kv_transport == "shared_memory")),

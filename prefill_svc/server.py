@@ -26,7 +26,7 @@ from engine.parallel.launcher import Rendezvous
 from engine.sampling_params import SamplingParams
 from engine.threads import off_the_engine_thread, pin_cpus
 from engine.weights import load_checkpoint
-from kvtransfer import transports
+from kvtransfer import kv_pool, transports
 from kvtransfer.plan import DecodeLayout
 from kvtransfer.shm_arena import shared_zeros
 from mesh import rpc
@@ -119,13 +119,17 @@ class PrefillInstance(Instance):
                                    timeout_s=s.expert_timeout_s) if s.experts else None  # MoE experts run there
         options = transports.KVOptions.of(s)
         followers = Call.of(push_kv, trace_spec=s.trace, options=options) if s.cp > 1 else None
-        engine = EngineCore(load_checkpoint(s.model, config.torch_dtype), config,
+        checkpoint = load_checkpoint(s.model, config.torch_dtype)
+        pool = kv_pool.attach(s.kv_pool_master, checkpoint, config, s.host, s.kv_pool_timeout_s)
+        engine = EngineCore(checkpoint, config,
                             ParallelConfig(cp=s.cp, cp_method=s.cp_method, experts=experts), follower_hook=followers,
-                            rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None)
+                            rendezvous=Rendezvous.of(s), kv_memory=shared_zeros if s.shared_kv_cache else None,
+                            kv_pool=pool)
         self.core = PrefillCore(engine, host=s.host, on_failure=lambda _: self.fail(),
                                 cpus=cpu_lending.from_flags(s.cpus), options=options).start()
         m = self.metrics
         m.gauges(engine.load, ENGINE_LOAD)
+        self.count_engine(engine)
         self.prefix_cache_hits = m.counter("infermesh_prefix_cache_hits", "{token}",
                                            "Prompt tokens whose KV the prefix cache already held")
         by_transport = tuple({"transport": name} for name in transports.NAMES)

@@ -31,6 +31,13 @@ def test_values_are_validated():
     assert load(PrefillSettings, {}, {"INFERMESH_SHARED_KV_CACHE": "true"}).shared_kv_cache
     with pytest.raises(ValueError, match="shared_kv_cache holds the KV cache in /dev/shm, host memory: device must be"):
         load(PrefillSettings, {"shared_kv_cache": True, "device": "cuda"}, {})
+    with pytest.raises(ValueError, match="mooncake_protocol must be one of tcp, rdma, got 'udp'"):
+        load(DecodeSettings, {"mooncake_protocol": "udp"}, {})
+    with pytest.raises(ValueError, match="kv_pool must be none or mooncake://HOST:PORT, got 'redis://h:1'"):
+        load(DecodeSettings, {"kv_pool": "redis://h:1"}, {})
+    with pytest.raises(ValueError, match="kv_pool serves engines of one rank for now, got cp=2"):
+        load(PrefillSettings, {"kv_pool": "mooncake://h:1", "cp": 2}, {})
+    assert load(DecodeSettings, {}, {"INFERMESH_KV_POOL": "mooncake://pool:50051"}).kv_pool_master == "pool:50051"
 
 
 def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():
@@ -46,7 +53,8 @@ def test_an_optional_setting_reads_none_and_a_secret_stays_out_of_the_repr():
                     kv_cache_bytes=3 << 20, metrics_port=None, health_port=9001, heartbeat_s=0.25,
                     batch_invariant=False),
     DecodeSettings(registry="redis://127.0.0.1:6379", cpus="0", borrow_cpus="1", reservation_lease_s=7.5,
-                   local_ranks=1, experts="127.0.0.1:5000"),
+                   local_ranks=1, experts="127.0.0.1:5000", mooncake_protocol="rdma", mooncake_devices="mlx5_0",
+                   kv_pool="mooncake://127.0.0.1:50051"),
     RouterSettings(http_port=0, policy="prefix_aware", kv_transport="torch_p2p", migration_limit=0, port=8000),
     DecodeSettings(),
 ], ids=["prefill", "decode", "router", "defaults"])
