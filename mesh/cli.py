@@ -194,9 +194,11 @@ def up(
     mooncake_protocol: str = typer.Option(SPEC.mooncake_protocol, help="The mooncake transport's: tcp | rdma."),
     mooncake_devices: str = typer.Option(SPEC.mooncake_devices, help="RDMA NICs for mooncake over rdma, e.g. "
                                                                      "mlx5_0,mlx5_1 (empty: Mooncake picks)."),
-    kv_pool: str = typer.Option(SPEC.kv_pool, help="none | mooncake://HOST:PORT: a KV pool (a Mooncake Store "
-                                                   "master) every engine instance of one rank stores blocks to "
-                                                   "and loads prompts' blocks from."),
+    kv_pool: str = typer.Option(SPEC.kv_pool, help="none | mooncake (start one here) | mooncake://HOST:PORT (a "
+                                                   "Mooncake Store master): a KV pool every engine instance of one "
+                                                   "rank stores blocks to and loads prompts' blocks from."),
+    kv_pool_memory: str = typer.Option(SPEC.kv_pool_memory, help="What the pool `--kv-pool mooncake` starts "
+                                                                 "holds, e.g. '4 GB'."),
     experts: int = typer.Option(0, help="Expert instances hosting an MoE model's experts (0: inside each instance)."),
     expert_ep: int = typer.Option(1, help="Expert-parallel ranks per expert instance."),
     registry: str = typer.Option(SPEC.registry, help="memory (served by this process) | redis://HOST:PORT"),
@@ -223,7 +225,7 @@ def up(
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, mooncake_protocol=mooncake_protocol, mooncake_devices=mooncake_devices,
-                kv_pool=kv_pool,
+                kv_pool=kv_pool, kv_pool_memory=kv_pool_memory,
                 experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
                 metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
                 max_num_batched_tokens=max_num_batched_tokens, admin_token=admin_token)

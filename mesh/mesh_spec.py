@@ -27,7 +27,8 @@ class MeshSpec:
     kv_transport: str = ROUTER.kv_transport
     mooncake_protocol: str = ENGINES.mooncake_protocol
     mooncake_devices: str = ENGINES.mooncake_devices
-    kv_pool: str = ENGINES.kv_pool
+    kv_pool: str = ENGINES.kv_pool  # or mooncake: `up` starts the pool (a master and kv_pool_memory of memory)
+    kv_pool_memory: str = "4 GB"  # what the embedded pool holds
     http_port: int | None = ROUTER.http_port  # the router's OpenAI-compatible HTTP front (0: any free port)
     experts: int = 0  # expert instances hosting the MoE experts (0: each instance runs its own)
     expert_ep: int = 1  # EP ranks per expert instance
@@ -50,5 +51,7 @@ class MeshSpec:
             raise ValueError(f"prefill must be >= 0, got {self.prefill}")
         if self.experts < 0 or self.expert_ep < 1:
             raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
+        if self.kv_pool not in ("none", "mooncake") and not self.kv_pool.startswith("mooncake://"):
+            raise ValueError(f"kv_pool must be none, mooncake or mooncake://HOST:PORT, got {self.kv_pool!r}")
         if self.cpus not in ("split", "shared"):
             raise ValueError(f"cpus must be split or shared, got {self.cpus!r}")

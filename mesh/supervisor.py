@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.cpus import available_cores, format_cpus, share
 from engine.errors import RequestError, Unsupported
+from kvtransfer import pool_processes
 from mesh import auth, rpc
 from mesh.mesh_spec import MeshSpec
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
@@ -62,7 +64,7 @@ class MeshError(RuntimeError):
 @dataclass
 class Child:
     name: str
-    role: Role
+    role: Role | None  # None: a process of the mesh that is no instance (the embedded KV pool's)
     process: subprocess.Popen
     log: Path
 
@@ -103,9 +105,10 @@ class Supervisor:
         if s.registry == "memory":
             self.registry_address = f"grpc://{address}"
         common = dict(model=s.model, registry=self.registry_address, trace=s.trace, metrics=s.metrics, host=s.host)
+        kv_pool = self._start_pool() if s.kv_pool == "mooncake" else s.kv_pool
         engine = dict(common, dtype=s.dtype, quantization=s.quantization, kv_cache_bytes=s.kv_cache_bytes,
                       batch_invariant=s.batch_invariant, max_num_batched_tokens=s.max_num_batched_tokens,
-                      mooncake_protocol=s.mooncake_protocol, mooncake_devices=s.mooncake_devices, kv_pool=s.kv_pool)
+                      mooncake_protocol=s.mooncake_protocol, mooncake_devices=s.mooncake_devices, kv_pool=kv_pool)
         self._settings = {  # what each role's instances load (the environment fills what the spec leaves out)
             Role.PREFILL: load(PrefillSettings, dict(engine, cp=s.prefill_cp,  # decode reads its KV cache in place:
                                                      shared_kv_cache=s.kv_transport == "shared_memory")),
@@ -180,8 +183,34 @@ class Supervisor:
 
     def _spawn(self, name: str, role: Role, settings: ServiceSettings) -> Child:
         """`python -m <role's service> <its flags>`, rendered from `settings` (mesh.settings.to_flags)."""
-        log, environment = self.log_dir / f"{name}.log", self._environment()
-        argv = [sys.executable, "-m", MODULES[role], *to_flags(settings, environment)]
+        environment = self._environment()
+        return self._run(name, role, [sys.executable, "-m", MODULES[role], *to_flags(settings, environment)],
+                         environment)
+
+    def _start_pool(self) -> str:
+        """The embedded KV pool (`--kv-pool mooncake`): Mooncake Store's master and a client holding the pool's
+        memory, children like the instances; its `mooncake://` address once both listen."""
+        host, (port, metrics_port, memory_port) = self.spec.host, _free_ports(self.spec.host, 3)
+        self._run("kv-pool-master", None, pool_processes.master(host, port, metrics_port), self._environment())
+        self._wait_listening(host, port)
+        self._run("kv-pool-memory", None, pool_processes.memory(host, memory_port, port, self.spec.kv_pool_memory),
+                  self._environment())
+        self._wait_listening(host, memory_port)
+        return f"mooncake://{host}:{port}"
+
+    def _wait_listening(self, host: str, port: int) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.check_children()  # one that exited fails the start, naming its log
+            with socket.socket() as s:
+                if s.connect_ex((host, port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise MeshError(f"nothing listened on {host}:{port} within {self.spec.startup_timeout_s:.0f} s; "
+                        f"logs in {self.log_dir}")
+
+    def _run(self, name: str, role: Role | None, argv: list[str], environment: dict[str, str]) -> Child:
+        log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environment)
         child = Child(name, role, process, log)
@@ -296,3 +325,14 @@ def _healthy(address: str) -> bool:
             return False
     return status == health_pb2.HealthCheckResponse.SERVING
 
+
+def _free_ports(host: str, n: int) -> list[int]:
+    """`n` ports free on `host` now (held open together, so they differ)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

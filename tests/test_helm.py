@@ -53,8 +53,11 @@ def gpus(container: dict) -> tuple[int, int]:
 TLS = ["--set", "tls.secret=mesh-tls", "--set", "tls.serverName=infermesh.mesh"]
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS]],
-                         ids=["default", "gpu-cluster", "gpu-cluster-tls"])
+KV_POOL = ["--set", "kvPool.enabled=true"]
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS], KV_POOL],
+                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "kv-pool"])
 def test_the_chart_lints_and_renders_valid_kubernetes(values, tmp_path):
     lint = helm("lint", str(CHART), *values)
     assert lint.returncode == 0, lint.stdout + lint.stderr
@@ -193,8 +196,9 @@ def service_containers(rendered: dict) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS],
-                                    ["--set", "model.quantization=int8", "--set", "model.batchInvariant=false"]],
-                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "int8"])
+                                    ["--set", "model.quantization=int8", "--set", "model.batchInvariant=false"],
+                                    KV_POOL + ["--set", "mooncake.protocol=rdma", "--set", "mooncake.devices=mlx5_0"]],
+                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "int8", "kv-pool-rdma"])
 def test_every_flag_the_chart_passes_is_a_setting_its_service_declares_and_accepts(values):
     """The chart's container args are read by the service's own settings declaration (mesh.settings): an
     undeclared flag, or a value its check refuses, fails here rather than in a pod."""
@@ -209,3 +213,16 @@ def test_every_flag_the_chart_passes_is_a_setting_its_service_declares_and_accep
             pytest.fail(f"{name}: {container['args']} holds a flag {cls.__name__} does not declare")
         settings = load(cls, flags, env)
         assert to_flags(settings, env), f"{name}: nothing differs from the defaults"  # the chart sets its own
+
+
+def test_the_kv_pool_runs_from_our_image_and_one_rank_engines_point_at_it():
+    docs = render(*KV_POOL, "--set", "prefill.cp=2")
+    pool = docs[("Deployment", "mesh-kv-pool")]
+    assert [c["command"] for c in containers(pool)] == [["mooncake_master"], ["mooncake_client"]]
+    assert {c["image"] for c in containers(pool)} == {"ghcr.io/infermesh/infermesh:0.1.0"}
+    assert "16 GB" in containers(pool)[1]["args"]
+    assert docs[("Service", "mesh-kv-pool")]["spec"]["ports"][0]["port"] == 50051
+    args = {name: c["args"] for name, c in service_containers(docs)}
+    assert "--kv-pool=mooncake://mesh-kv-pool:50051" in args["mesh-decode"]
+    assert not any(a.startswith("--kv-pool") for a in args["mesh-prefill"])  # two ranks: not yet
+    assert ("Deployment", "mesh-kv-pool") not in render()  # off by default

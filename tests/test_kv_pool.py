@@ -184,3 +184,30 @@ def test_a_document_prefilled_on_one_instance_is_loaded_not_computed_on_the_next
     finally:
         for instance in (router, decode, *prefills):
             instance.stop()
+
+
+def test_up_starts_the_pool_and_its_engines_store_there(tiny_checkpoint):
+    """`infermesh up --kv-pool mooncake`: the master and the pool's memory run under the supervisor (their RPC
+    ports on --host), every engine instance attaches, and a prefilled prompt's blocks are stored."""
+    from mesh.metrics import scrape
+    from tests.helpers import descendants, listening
+    from tests.test_mesh_processes import start_mesh, started, stop_mesh
+    from tests.test_router import generate as ask
+
+    folder, _ = tiny_checkpoint("llama")
+    proc, address = start_mesh(str(folder), "--kv-pool", "mooncake", "--kv-pool-memory", "64 MB",
+                               "--local-prefill-max-tokens", "0")
+    instances = started(address)
+    pids, pool = [i["pid"] for i in instances], {}
+    try:
+        pool = {Path(f"/proc/{p}/exe").resolve().name: p for p in descendants(proc.pid) if p not in pids}
+        assert sorted(pool) == ["mooncake_client", "mooncake_master"]
+        assert all(a.startswith("127.0.0.1:") for a in listening([pool["mooncake_master"]]))
+        prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(8)).tolist()
+        (expected,) = LLM(str(folder), dtype="float32").generate([prompt], GREEDY)
+        assert ask(address, prompt)[0] == expected.token_ids
+        (prefill,) = [i for i in instances if i["role"] == "prefill"]
+        wait_until(lambda: scrape(prefill["metrics_url"])[("infermesh_kv_pool_stored_tokens_total", ())] == 96)
+        assert scrape(prefill["metrics_url"])[("infermesh_kv_pool_errors_total", ())] == 0
+    finally:
+        stop_mesh(proc, pids + list(pool.values()))

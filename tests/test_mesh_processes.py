@@ -46,12 +46,6 @@ def stop_mesh(proc: subprocess.Popen, pids: list[int]) -> None:
     assert_exited(pids)  # every process it started
 
 
-
-
-
-
-
-
 def shm_bytes(pid: int) -> int:
     """Bytes held in /dev/shm by the process's staging files (`kvtransfer.shm_arena`)."""
     from kvtransfer.shm_arena import PREFIX, SHM_DIR

@@ -214,6 +214,9 @@ imagePullSecrets:
     {{- with .root.Values.mooncake.devices }}
     - --mooncake-devices={{ . }}
     {{- end }}
+    {{- if and .root.Values.kvPool.enabled (eq (int .ranks) 1) }}
+    - --kv-pool=mooncake://{{ .root.Release.Name }}-kv-pool:{{ .root.Values.kvPool.port }}
+    {{- end }}
     {{- if gt (int .root.Values.expert.replicas) 0 }}
     - --experts={{ .root.Release.Name }}-expert:{{ .root.Values.ports.grpc }}
     {{- end }}
