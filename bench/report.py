@@ -32,6 +32,7 @@ BENCHMARKS = {  # name -> (what it measures, its command)
     "kvtransfer": ("KV transports against a gloo send and a memcpy", ["bench/kvtransfer.py"]),
     "mesh": ("The mesh against the engine it serves", ["bench/mesh.py"]),
     "push": ("What a KV push adds to the time to first token", ["bench/push.py"]),
+    "pool": ("Multi-turn chat with and without the KV pool", ["bench/pool.py"]),
     "serve": ("Colocated against disaggregated under load", ["bench/serve.py", "--plot", "bench/serve.png"]),
 }
 

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -87,8 +87,8 @@ class MooncakePool:
         self.kv_cache, self.identity, self.timeout_s = kv_cache, identity, timeout_s
         k = kv_cache[0][0]
         self.block_bytes = 2 * len(kv_cache) * k[0].numel() * k.element_size()  # one block, every layer
-        self.errors = self.dropped = self.lookups = 0
-        self.lookup_seconds = 0.0  # in all lookups
+        self.errors = self.dropped = 0
+        self.on_lookup: Callable[[float], None] = lambda seconds: None  # each lookup's seconds (a histogram's)
         self._store = MooncakeDistributedStore()
         if self._store.setup(host, "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master) != 0:
             raise ConnectionError(f"cannot reach the KV pool's master at {master}")
@@ -102,7 +102,7 @@ class MooncakePool:
     def lookup(self, hashes: Sequence[int]) -> int:
         start = time.perf_counter()
         found = self._call(self._store.batch_is_exist, [self.identity.key(h) for h in hashes])
-        self.lookups, self.lookup_seconds = self.lookups + 1, self.lookup_seconds + time.perf_counter() - start
+        self.on_lookup(time.perf_counter() - start)
         return next((i for i, hit in enumerate(found) if hit != 1), len(found)) if found else 0
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:

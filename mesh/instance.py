@@ -103,8 +103,8 @@ class Instance:
                   lambda: tier.stored_tokens)
         m.counted("infermesh_kv_pool_errors", "{error}", "KV pool lookups, loads and stores that failed or were "
                   "late (the engine computed instead)", lambda: tier.pool.errors)
-        m.counted("infermesh_kv_pool_lookup_seconds", "s", "Time spent looking blocks up in the KV pool",
-                  lambda: tier.pool.lookup_seconds)
+        tier.pool.on_lookup = m.seconds("infermesh_kv_pool_lookup_seconds",
+                                        "Time to look a prompt's blocks up in the KV pool").record
 
     def serve(self, services: Sequence[tuple[Callable, object, str]],
               block_hashes: Callable[[], set[int]] | None = None) -> None:

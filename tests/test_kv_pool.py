@@ -181,6 +181,7 @@ def test_a_document_prefilled_on_one_instance_is_loaded_not_computed_on_the_next
         assert counted[("infermesh_kv_pool_loaded_tokens_total", ())] == 384
         assert counted[("infermesh_prompt_tokens_computed_total", ())] == 16
         assert counted[("infermesh_kv_pool_errors_total", ())] == 0
+        assert counted[("infermesh_kv_pool_lookup_seconds_count", ())] == 1  # the document, once
     finally:
         for instance in (router, decode, *prefills):
             instance.stop()
