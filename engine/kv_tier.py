@@ -6,7 +6,8 @@ cache lacks are looked up in the pool; the longest run it holds is loaded into f
 prefix cache under their chain hashes and go back to the free list (most recently freed: evicted last).
 The scheduler then finds them as it finds any cached prefix, and the engine computes only the rest.
 After a step, each sequence's blocks that became full are handed to the pool to store (it copies them
-before the step ends and writes them in the background).
+before the step ends and writes them in the background); a reserved sequence's pushed prompt blocks are
+left to the instance that computed them.
 
 The pool is a cache, never a source of truth: a pool that fails, is slow or lost an entry loads fewer
 blocks (or none), and the engine computes them.
@@ -61,8 +62,9 @@ class KVTier:
         return local + loaded
 
     def after_update(self, seqs: Iterable[Seq]) -> None:
-        for seq in seqs:
-            done = self._stored.get(seq.request_id, 0)
+        for seq in seqs:  # one never seen waiting was reserved: its prompt's blocks came from the instance that
+            # computed them, which stored them
+            done = self._stored.setdefault(seq.request_id, seq.num_prompt_tokens // self.blocks.block_size)
             new = seq.block_hashes[done:]
             if new:
                 self.pool.store(new, seq.block_table[done:len(seq.block_hashes)])

@@ -62,7 +62,7 @@ def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
     for name in names:
         t = state[name]
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    for name in {names[0], names[len(names) // 3], names[2 * len(names) // 3], names[-1]} if names else ():
+    for name in sorted({names[0], names[len(names) // 3], names[2 * len(names) // 3], names[-1]}) if names else ():
         h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

@@ -214,6 +214,8 @@ def up(
         SPEC.max_num_batched_tokens, help="Tokens an engine step takes (prompt chunks and decode rows): smaller "
                                           "chunks a long prompt's prefill, so streams decoding beside it wait less "
                                           "per step, and it takes longer."),
+    kv_cache_bytes: int = typer.Option(SPEC.kv_cache_bytes, help="KV cache memory of each prefill and decode "
+                                                                 "instance (each rank)."),
     cpus: str = typer.Option(SPEC.cpus, help="split: each engine instance its own share of this host's cores "
                                            "(by ranks), a one-rank decode instance running steps on prefill's "
                                            "while they idle; shared: every instance may use every core."),
@@ -228,7 +230,7 @@ def up(
                 kv_pool=kv_pool, kv_pool_memory=kv_pool_memory,
                 experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
                 metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
-                max_num_batched_tokens=max_num_batched_tokens, admin_token=admin_token)
+                max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes, admin_token=admin_token)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
             for name in supervisor.check_children():

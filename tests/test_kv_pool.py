@@ -5,6 +5,7 @@ computing, never a wrong or failed answer."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,19 @@ def test_an_engine_under_other_conditions_never_loads_the_first_ones_blocks(tiny
     folder_b, _ = tiny_checkpoint("qwen3")  # other weights
     assert PoolIdentity.of(load_checkpoint(str(folder_b)), EngineConfig()).model != \
         PoolIdentity.of(load_checkpoint(str(folder)), EngineConfig()).model
+
+
+def test_a_key_is_the_same_in_every_process(tiny_checkpoint):
+    """Engines are separate processes: the identity must not depend on anything a process draws (string hash
+    seeds, set order)."""
+    folder, _ = tiny_checkpoint("llama")
+    code = ("import sys; from engine.core import EngineConfig; from engine.weights import load_checkpoint; "
+            "from kvtransfer.kv_pool import PoolIdentity; "
+            f"print(PoolIdentity.of(load_checkpoint({str(folder)!r}), EngineConfig()).key(7))")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+            for seed in ("1", "2")}
+    assert keys == {PoolIdentity.of(load_checkpoint(str(folder)), EngineConfig()).key(7)}
 
 
 class EvictingPool(MooncakePool):
