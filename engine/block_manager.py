@@ -116,19 +116,17 @@ class BlockManager:
                           num_computed: int, chain: list[int]) -> None:
         """Publish blocks that became full and computed; `chain` (the sequence's block
         hashes so far) grows by one hash per newly full block."""
-        full = min(num_computed // self.block_size, len(block_table))
-        for i in range(len(chain), full):
-            h = block_hash(chain[-1] if chain else None, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            chain.append(h)
-            block = block_table[i]
-            if self.hash_of[block] is None and h not in self.cached:
-                self.hash_of[block] = h
-                self.cached[h] = block
-            # else: a matched block already carries h, or another block holds this prefix.
+        full, start = min(num_computed // self.block_size, len(block_table)), len(chain)
+        if start >= full:
+            return  # most steps: no block became full
+        for i in range(start, full):
+            chain.append(block_hash(chain[-1] if chain else None,
+                                    token_ids[i * self.block_size:(i + 1) * self.block_size]))
+        self.adopt(block_table[start:full], chain[start:full])
 
     def adopt(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
-        """Publish `blocks` (filled from elsewhere: a KV pool) under their chain `hashes`, where no other
-        block holds that prefix already."""
+        """Publish full, computed `blocks` (or filled from elsewhere: a KV pool) under their chain `hashes`,
+        where neither the block carries a hash already (a matched block) nor another block holds the prefix."""
         for block, h in zip(blocks, hashes):
             if self.hash_of[block] is None and h not in self.cached:
                 self.hash_of[block] = h
