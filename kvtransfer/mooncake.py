@@ -121,29 +121,33 @@ def storage_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 class Staging:
-    """Registered buffers for gathered layers, pooled by size class (one rank's, used from its engine thread)."""
+    """Registered buffers for gathered layers, pooled by size class (one rank's; taken on its engine thread,
+    given back where pushes finish)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
         self._idle = 0
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         size = size_class(nbytes)
-        free = self._free.get((size, device))
-        if free:
-            self._idle -= size
-            return free.pop()
+        with self._lock:
+            free = self._free.get((size, device))
+            if free:
+                self._idle -= size
+                return free.pop()
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.engine.register(buffer.data_ptr(), size)
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        if self._idle + buffer.numel() > POOL_BYTES:
-            self.drop(buffer)
-            return
-        self._idle += buffer.numel()
-        self._free.setdefault((buffer.numel(), buffer.device), []).append(buffer)
+        with self._lock:
+            if self._idle + buffer.numel() <= POOL_BYTES:
+                self._idle += buffer.numel()
+                self._free.setdefault((buffer.numel(), buffer.device), []).append(buffer)
+                return
+        self.drop(buffer)
 
     def drop(self, buffer: torch.Tensor) -> None:
         self.engine.unregister(buffer.data_ptr())
@@ -161,7 +165,7 @@ class MooncakeSender(KVSender):
         self._requests: queue.Queue = queue.Queue()
         self._responses = None  # the stream's answers, once opened
         self._grant: internal_pb2.KVWriteGrant | None = None
-        self._first_layer, self._runs = 0, []
+        self._first_layer, self._layers, self._runs = 0, 0, []
         self._batches: list[int] = []  # writes started and not yet waited for
         self._reading: list[torch.Tensor] = []  # what they read: kept alive until they are done
         self._staged: list[torch.Tensor] = []  # staging buffers they read, back to the pool once they are done
@@ -198,7 +202,8 @@ class MooncakeSender(KVSender):
         try:
             self.engine.wait(batches, self._grant.segment if self._grant else "")
         except TransferError as e:
-            self._fail(e)
+            if self.state is not TransferState.FAILED:
+                self._fail(e)
 
     def _sources(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
         """Where to write the keys and values from: where they lie when each is one registered range (a view of
@@ -255,10 +260,11 @@ class MooncakeSender(KVSender):
         try:
             return super().finish(timeout_s)
         finally:
+            self.settle()  # writes a failure left running read our memory and land in blocks decode holds
             self._requests.put(_END)
             if self._responses is not None and self.state is TransferState.FAILED:
                 self._responses.cancel()  # decode lets its hold go now
-            keep = self.state is TransferState.DONE  # else a timed-out write may still read them: not reused
+            keep = self.state is TransferState.DONE  # else a write Mooncake timed out may still read them
             for buffer in self._staged:
                 self.staging.give_back(buffer) if keep else self.staging.drop(buffer)
             self._staged = []
