@@ -115,7 +115,7 @@ class MooncakePool:
             self._failed(f"{len(hashes) - whole} of {len(hashes)} blocks did not load whole ({sizes[whole]})")
         if whole:
             rows = self._layers(staging[:whole])
-            index = torch.tensor(blocks[:whole])
+            index = torch.tensor(list(blocks[:whole]), device=self.kv_cache[0][0].device)
             for (k, v), (k_rows, v_rows) in zip(self.kv_cache, rows):
                 k.index_copy_(0, index, k_rows.to(k.device))
                 v.index_copy_(0, index, v_rows.to(v.device))
@@ -131,6 +131,7 @@ class MooncakePool:
             self._writes.put_nowait(([self.identity.key(h) for h in hashes], staging))
         except queue.Full:
             self.dropped += len(hashes)
+            self._failed(f"the writer fell {QUEUED_STORES} batches behind: {len(hashes)} blocks not stored")
 
     def close(self) -> None:
         """Write what is queued, then leave the pool (idempotent)."""
