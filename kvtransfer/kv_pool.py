@@ -103,7 +103,10 @@ class MooncakePool:
         start = time.perf_counter()
         found = self._call(self._store.batch_is_exist, [self.identity.key(h) for h in hashes])
         self.on_lookup(time.perf_counter() - start)
-        return next((i for i, hit in enumerate(found) if hit != 1), len(found)) if found else 0
+        held = next((i for i, hit in enumerate(found) if hit != 1), len(found))
+        if held < len(found) and found[held] < 0:  # 1: there, 0: not there, below: the store could not say
+            self._failed(f"looking blocks up failed ({found[held]})")
+        return held
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
         staging = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)

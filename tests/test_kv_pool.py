@@ -125,16 +125,22 @@ class EvictingPool(MooncakePool):
         return held
 
 
-def test_an_entry_gone_between_lookup_and_load_is_computed_and_the_answer_is_the_same(tiny_checkpoint, pool):
-    folder, _ = tiny_checkpoint("llama")
-    master, _ = pool
-    prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(3)).tolist()
-    (expected,) = LLM(str(folder), dtype="float32").generate([prompt], GREEDY)
+def stored_by_another_engine(folder, master: str, seed: int) -> tuple[list[int], list[int]]:
+    """A 100-token prompt that an engine computed and the pool holds (its 6 full blocks), and its answer."""
+    prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(seed)).tolist()
     first = engine(folder, master)
     generate(first, "a", prompt)
     wait_until(lambda: stored(first, prompt, 6))
+    (expected,) = LLM(str(folder), dtype="float32").generate([prompt], GREEDY)
+    return prompt, expected.token_ids
+
+
+def test_an_entry_gone_between_lookup_and_load_is_computed_and_the_answer_is_the_same(tiny_checkpoint, pool):
+    folder, _ = tiny_checkpoint("llama")
+    master, _ = pool
+    prompt, expected = stored_by_another_engine(folder, master, 3)
     second = engine(folder, master, pool_class=EvictingPool)
-    assert generate(second, "b", prompt) == expected.token_ids
+    assert generate(second, "b", prompt) == expected
     assert second.kv_tier.loaded_tokens == 0 and second.prompt_tokens_computed == 100
     assert second.kv_tier.pool.errors >= 1
 
@@ -142,18 +148,13 @@ def test_an_entry_gone_between_lookup_and_load_is_computed_and_the_answer_is_the
 def test_the_master_killed_costs_computing_and_is_counted(tiny_checkpoint, pool):
     folder, _ = tiny_checkpoint("llama")
     master, process = pool
-    prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(4)).tolist()
-    (expected,) = LLM(str(folder), dtype="float32").generate([prompt], GREEDY)
-    first = engine(folder, master)
-    generate(first, "a", prompt)
+    prompt, expected = stored_by_another_engine(folder, master, 4)
+    second = engine(folder, master)
     process.kill()
     process.wait()
-    second = first  # its own cache holds the prompt: ask another one
-    other = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(5)).tolist()
-    (expected_other,) = LLM(str(folder), dtype="float32").generate([other], GREEDY)
-    assert generate(second, "b", other) == expected_other.token_ids
-    assert generate(second, "c", prompt) == expected.token_ids
-    wait_until(lambda: second.kv_tier.pool.errors >= 1)
+    assert generate(second, "b", prompt) == expected  # the blocks are in the pool, which cannot be asked
+    assert second.kv_tier.loaded_tokens == 0 and second.prompt_tokens_computed == 100
+    assert second.kv_tier.pool.errors >= 1
 
 
 def test_a_document_prefilled_on_one_instance_is_loaded_not_computed_on_the_next(tiny_checkpoint, pool):
