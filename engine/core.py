@@ -210,7 +210,8 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        self.prompt_tokens_computed += sum(max(0, min(c.end, c.seq.num_prompt_tokens) - c.start) for c in chunks)
+        self.prompt_tokens_computed += sum(min(c.end, c.seq.num_prompt_tokens) - c.start for c in chunks
+                                           if c.start < c.seq.num_prompt_tokens)  # decode rows: skipped
         sampling, logits = self.run_model(chunks)
         self.scheduler.update(chunks)
         if self.kv_tier is not None:

@@ -101,8 +101,7 @@ class KVReceiver:
         the transfer fails, and decode recomputes."""
         ranges = merge_runs(runs)
         if self.on_landed is None or len(ranges) != 1 or not layers:
-            for layer in (layers[0], layers[-1]) if layers else ():
-                self._check_layout(layer, runs, pieces=(shape, dtype))
+            self._check_layers(layers, runs, shape, dtype)
             yield None
             return
         (slot, n), = ranges
@@ -117,8 +116,7 @@ class KVReceiver:
         (pieces [shape] of `dtype`, checked first as `write_runs` checks them). When the reservation ends
         meanwhile, `on_landed` says so once the last hold closed; a receiver without it is waited for with
         `wait_landed` before its blocks are reused."""
-        for layer in (layers[0], layers[-1]) if layers else ():  # a range: its ends bound every layer
-            self._check_layout(layer, runs, pieces=(shape, dtype))
+        self._check_layers(layers, runs, shape, dtype)
         with self.lock:
             self._check_reserved(request_id, runs)
             self._landings[request_id] += 1
@@ -143,6 +141,12 @@ class KVReceiver:
     def landings(self, request_id: str) -> int:
         """Landings open into the request's blocks; read under `lock`."""
         return self._landings[request_id]
+
+    def _check_layers(self, layers: range, runs: list[tuple[int, int]], shape: tuple[int, ...],
+                      dtype: torch.dtype) -> None:
+        """Pieces [shape] of `dtype` for every layer of `layers` (a range: its ends bound every layer)."""
+        for layer in (layers[0], layers[-1]) if layers else ():
+            self._check_layout(layer, runs, pieces=(shape, dtype))
 
     def _check_layout(self, layer: int, runs: list[tuple[int, int]], **layouts: tuple[tuple[int, ...], torch.dtype]
                       ) -> None:
