@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from typing import Optional
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # read as grpc loads (cli_admin loads it): no gRPC notices
 
 import typer
 
@@ -219,22 +222,28 @@ def up(
     cpus: str = typer.Option(SPEC.cpus, help="split: each engine instance its own share of this host's cores "
                                            "(by ranks), a one-rank decode instance running steps on prefill's "
                                            "while they idle; shared: every instance may use every core."),
+    max_restarts: int = typer.Option(SPEC.max_restarts, help="Restarts of a crashed process within "
+                                                               "--restart-window-s before it is left down "
+                                                               "(back-off doubling from 1 s; 0: never restart)."),
+    restart_window_s: float = typer.Option(SPEC.restart_window_s, help="The window --max-restarts counts in."),
     log_dir: Optional[str] = typer.Option(None, help="Where each process logs (default: a new temp folder)."),
     admin_token: str = typer.Option("", envvar="INFERMESH_ADMIN_TOKEN", show_default=False,
                                     help="Scale and drain need this bearer token (prefer the variable)."),
 ) -> None:
-    """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped)."""
+    """Start the whole mesh on this host and serve until Ctrl-C (every process it started is stopped); a process
+    that crashes is restarted (`infermesh status` shows restarts and why one was left down)."""
     spec = dict(model=model, host=host, port=port, http_port=http_port, prefill=prefill, prefill_cp=prefill_cp,
                 decode=decode, decode_tp=decode_tp, local_prefill_max_tokens=local_prefill_max_tokens,
                 kv_transport=kv_transport, mooncake_protocol=mooncake_protocol, mooncake_devices=mooncake_devices,
                 kv_pool=kv_pool, kv_pool_memory=kv_pool_memory,
                 experts=experts, expert_ep=expert_ep, registry=registry, trace=trace,
                 metrics=metrics, dtype=dtype, quantization=quantization, batch_invariant=batch_invariant, cpus=cpus,
-                max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes, admin_token=admin_token)
+                max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes, admin_token=admin_token,
+                max_restarts=max_restarts, restart_window_s=restart_window_s)
     with _mesh(spec, log_dir) as (supervisor, stop):
         while not stop.wait(0.5):
-            for name in supervisor.check_children():
-                typer.echo(f"{name} drained and left")
+            for event in supervisor.watch():
+                typer.echo(f"{time.strftime('%H:%M:%S')} {event}")
 
 
 @app.command()
@@ -260,11 +269,9 @@ def demo(
 @contextlib.contextmanager
 def _mesh(spec: dict, log_dir: str | None):
     """A started Supervisor and a stop event set by SIGINT/SIGTERM; everything stopped on exit."""
-    import os
     import signal
     import threading
 
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no fork notices from its handlers
     from mesh.supervisor import MeshError, Supervisor
 
     try:
@@ -295,8 +302,6 @@ def rank(
     host: str = typer.Option("127.0.0.1", help="The address these ranks bind (this host's, as its peers see it)."),
 ) -> None:
     """Run ranks of an instance whose rank 0 runs elsewhere (a LeaderWorkerSet worker); exit when they do."""
-    import os
-
     from engine.cpus import available_cores
     from engine.parallel.launcher import spawn_rank
 

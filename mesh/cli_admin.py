@@ -64,13 +64,15 @@ def status(
     target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
     as_json: bool = typer.Option(False, "--json", help="Print the instances as JSON (with metrics_url)."),
 ) -> None:
-    """The instances of a running mesh: per-role totals, then each instance's state, load, KV use and metrics."""
+    """The instances of a running mesh: per-role totals, then each instance's state, load, KV use and metrics;
+    for a mesh `infermesh up` runs, each of its processes too: state, restarts, last exit and why."""
     instances = _instances(target)
+    processes = _processes(instances)
     if as_json:
         keys = ("id", "address", "pid", "model", "parallel", "active_requests", "total_requests", "kv_blocks_used",
                 "kv_blocks_total", "http_address", "metrics_url")
         rows = [{"role": i.role.value, "state": i.state.value, **{k: getattr(i, k) for k in keys}} for i in instances]
-        sys.stdout.write(json.dumps({"instances": rows}) + "\n")
+        sys.stdout.write(json.dumps({"instances": rows, "processes": processes}) + "\n")
         return
     totals = Table(title="roles", title_justify="left")
     for column in ("role", "instances", "serving", "active", "KV blocks"):
@@ -93,6 +95,29 @@ def status(
     console = Console(width=200)
     console.print(totals)
     console.print(table)
+    if processes:
+        kept = Table(title="processes (infermesh up)", title_justify="left")
+        for column in ("name", "pid", "state", "restarts", "last exit", "reason"):
+            kept.add_column(column, no_wrap=column != "reason")
+        for p in processes:
+            kept.add_row(p["name"], str(p["pid"]), p["state"], str(p["restarts"]),
+                         "-" if p["last_exit"] is None else str(p["last_exit"]), p["reason"] or "-")
+        console.print(kept)
+
+
+def _processes(instances: list[InstanceInfo]) -> list[dict]:
+    """The processes of the `infermesh up` supervisor among `instances` (none: a mesh it does not run)."""
+    rows = []
+    for supervisor in (i for i in instances if i.role is Role.SUPERVISOR):
+        try:
+            with rpc.channel(supervisor.address) as ch:
+                found = internal_pb2_grpc.SupervisorStub(ch).Processes(internal_pb2.ProcessesRequest(), timeout=10)
+        except grpc.RpcError as e:
+            _exit(f"{supervisor.id} at {supervisor.address}: {e.code().name}: {e.details()}")
+        rows += [{"name": p.name, "kind": p.kind, "pid": p.pid, "restarts": p.restarts, "reason": p.reason,
+                  "state": internal_pb2.ProcessState.Name(p.state).removeprefix("PROCESS_STATE_").lower(),
+                  "last_exit": p.last_exit if p.HasField("last_exit") else None} for p in found.processes]
+    return rows
 
 
 def drain(

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.engine_config import DEFAULTS as ENGINE
+from mesh.restarts import RestartPolicy
 from mesh.settings import DecodeSettings, RouterSettings
 
+RESTARTS = RestartPolicy()
 ROUTER = RouterSettings()  # the defaults of the settings every service shares, and the router's own
 ENGINES = DecodeSettings()  # those of prefill and decode instances
 
@@ -42,6 +44,8 @@ class MeshSpec:
     max_num_batched_tokens: int = ENGINE.max_num_batched_tokens
     cpus: str = "split"  # split: each engine instance its own share of this host's cores (engine.cpus); shared
     startup_timeout_s: float = 300.0
+    max_restarts: int = RESTARTS.max_restarts  # of one process within restart_window_s (mesh.restarts)
+    restart_window_s: float = RESTARTS.window_s
     admin_token: str = field(default="", repr=False)  # Scale and every instance's Drain need it (when set)
 
     def __post_init__(self) -> None:
@@ -53,5 +57,6 @@ class MeshSpec:
             raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
         if self.kv_pool not in ("none", "mooncake") and not self.kv_pool.startswith("mooncake://"):
             raise ValueError(f"kv_pool must be none, mooncake or mooncake://HOST:PORT, got {self.kv_pool!r}")
+        RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s)  # checks them
         if self.cpus not in ("split", "shared"):
             raise ValueError(f"cpus must be split or shared, got {self.cpus!r}")

@@ -1,20 +1,26 @@
 """`infermesh up`: the whole mesh on one host, as processes, in the foreground.
 
-The supervisor serves its control service (`Supervisor.Scale`) and, unless a Redis URL is given, the
-in-memory registry over gRPC, and registers itself with role `supervisor`. It starts the expert
-instances first (prefill and decode attach to them as they start), then the prefill, decode and router
-processes (`python -m <service>.server ...`, each logging to its own file), and is ready when every
-instance is registered and the router's health check says SERVING. With `cpus="split"` (the default)
+The supervisor serves its control service (`Supervisor.Scale`, `Supervisor.Processes`) and its metrics,
+and registers itself with role `supervisor`. Unless a Redis URL is given it starts the in-memory registry
+first (`python -m mesh.registry.remote`, a child on a port fixed for its life), then the expert instances
+(prefill and decode attach to them as they start), then the prefill, decode and router processes
+(`python -m <service>.server ...`, each logging to its own file), and is ready when every instance is
+registered and the router's health check says SERVING. With `cpus="split"` (the default)
 each engine instance runs on its own share of the host's cores (`engine.cpus.share`, by ranks; its
 `--cpus`), and a decode instance of one rank may run a step on the prefill instances' cores while they idle
 (`--borrow-cpus`, engine.cpu_lending); the router and the supervisor run on any.
 
-It owns every process it started, scaled ones included. `scale(role, n)` starts instances of a role or
-drains its newest ones (`Admin.Drain`: finish in-flight work, deregister, exit) until it has n. A child
-that exits 0 left cleanly (drained, by `scale` or `infermesh drain`) and is let go; one that exits
-otherwise is a crash, and `check_children` raises MeshError naming it. `stop()` stops every process
-(SIGTERM, then SIGKILL after a grace period); children die with the supervisor (PR_SET_PDEATHSIG) even
-if it is killed.
+It owns every process it started, scaled ones included (`mesh.children`). `scale(role, n)` starts
+instances of a role or drains its newest ones (`Admin.Drain`: finish in-flight work, deregister, exit)
+until it has n. While the mesh starts, a process that exits fails the start (MeshError naming it and
+its log). Once it serves, `watch()` keeps it serving: a child that exits 0 left cleanly (drained) and is
+let go; one that crashes is restarted with the same argv, so on the same cores and, for the router and
+the registry, the same port (back-off and limit: `mesh.restarts`), counted in
+`infermesh_instance_restarts_total{role}`; the router's migration carries the streams a dead decode
+instance held. `watch()` raises MeshError only when a role the mesh cannot serve without (decode,
+router, expert when the mesh has expert instances) has no process left that will ever serve again.
+`stop()` stops every process (SIGTERM, then SIGKILL after a grace period); children die with the
+supervisor (PR_SET_PDEATHSIG) even if it is killed.
 """
 
 from __future__ import annotations
@@ -22,15 +28,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,10 +43,12 @@ from engine.cpus import available_cores, format_cpus, share
 from engine.errors import RequestError, Unsupported
 from kvtransfer import pool_processes
 from mesh import auth, rpc
+from mesh.children import Child, Children, ProcessState
 from mesh.mesh_spec import MeshSpec
+from mesh.metrics import Metrics
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
-from mesh.registry.memory import MemoryRegistry
-from mesh.registry.remote import RegistryService, from_role
+from mesh.registry.remote import from_role
+from mesh.restarts import RestartPolicy
 from mesh.service import Heartbeat
 from mesh.settings import (
     DecodeSettings,
@@ -61,17 +67,10 @@ class MeshError(RuntimeError):
     """The mesh could not start or lost a process; the message names it and shows its last log lines."""
 
 
-@dataclass
-class Child:
-    name: str
-    role: Role | None  # None: a process of the mesh that is no instance (the embedded KV pool's)
-    process: subprocess.Popen
-    log: Path
-
-
 SCALABLE = (Role.PREFILL, Role.DECODE)
 MODULES = {Role.PREFILL: "prefill_svc.server", Role.DECODE: "decode_svc.server", Role.EXPERT: "expert_svc.server",
            Role.ROUTER: "router.server"}  # each role's service, started by module name
+KINDS = (*(role.value for role in MODULES), "registry", "kv-pool")  # what a child of the mesh may be
 
 
 class Supervisor:
@@ -79,12 +78,17 @@ class Supervisor:
         self.spec = spec
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="infermesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.children: list[Child] = []
+        self.metrics = Metrics("supervisor", spec.metrics)
+        self._restarts = self.metrics.counter("infermesh_instance_restarts", "{restart}",
+                                              "Processes of the mesh restarted after a crash, by role",
+                                              zeros=tuple({"role": kind} for kind in KINDS))
+        self.children = Children(RestartPolicy(max_restarts=spec.max_restarts, window_s=spec.restart_window_s),
+                                 on_restart=lambda child: self._restarts.add(1, {"role": child.kind}))
         self.server = self.heartbeat = None
         self.registry_address = spec.registry
         self.router_address = ""
         self.http_address = ""  # the router's HTTP front, when asked for
-        self._lock = threading.Lock()  # children: scale runs on gRPC threads, check_children on the main one
+        self._serving = False  # started: a crash is restarted, no longer a failed start
         self._scaling = threading.Lock()  # one scale at a time
         self._settings: dict[Role, ServiceSettings] = {}  # role -> what its instances load
         self._numbers = {role: itertools.count() for role in SCALABLE}  # names: prefill-0, prefill-1, ...
@@ -95,15 +99,25 @@ class Supervisor:
     def start(self) -> str:
         """Start everything and wait until it serves; returns the router's address."""
         s = self.spec
-        services = [(internal_pb2_grpc.add_SupervisorServicer_to_server, SupervisorService(self),
-                     "infermesh.v1.Supervisor")]
-        if s.registry == "memory":
-            services.append((internal_pb2_grpc.add_RegistryServicer_to_server, RegistryService(MemoryRegistry()),
-                             "infermesh.v1.Registry"))
-        self.server, port, _ = rpc.start_server(s.host, 0, services)
+        self.server, port, _ = rpc.start_server(s.host, 0, [(internal_pb2_grpc.add_SupervisorServicer_to_server,
+                                                             SupervisorService(self), "infermesh.v1.Supervisor")])
         address = f"{s.host}:{port}"
-        if s.registry == "memory":
-            self.registry_address = f"grpc://{address}"
+        self.metrics.serve(s.host, 0)
+        try:
+            if s.registry == "memory":
+                self.registry_address = self._start_registry()
+            self._start_instances()
+        except BaseException:
+            self.stop()
+            raise
+        self.heartbeat = Heartbeat(connect_registry(self.registry_address), lambda: InstanceInfo(
+            id=f"supervisor-{os.getpid()}", role=Role.SUPERVISOR, address=address, pid=os.getpid(),
+            model=s.model, state=InstanceState.SERVING, metrics_url=self.metrics.url), interval_s=1.0, ttl_s=5.0)
+        self._serving = True
+        return self.router_address
+
+    def _start_instances(self) -> None:
+        s = self.spec
         common = dict(model=s.model, registry=self.registry_address, trace=s.trace, metrics=s.metrics, host=s.host)
         kv_pool = self._start_pool() if s.kv_pool == "mooncake" else s.kv_pool
         engine = dict(common, dtype=s.dtype, quantization=s.quantization, kv_cache_bytes=s.kv_cache_bytes,
@@ -119,25 +133,21 @@ class Supervisor:
                                                    **({} if s.http_port is None else {"http_port": s.http_port}))),
         }
         self._cores = self._plan_cores()
-        try:
-            for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
-                self._spawn(f"expert-{i}", Role.EXPERT, self._instance_settings(Role.EXPERT, i))
-            if s.experts:
-                self._experts = [e.address for e in self._wait_for({Role.EXPERT: s.experts}, returning=Role.EXPERT)]
-            for role, count in ((Role.PREFILL, s.prefill), (Role.DECODE, s.decode)):
-                for _ in range(count):
-                    self._spawn_instance(role)
-            self._spawn("router", Role.ROUTER, self._settings[Role.ROUTER])
-            (router,) = self._wait_for({Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
-                                       returning=Role.ROUTER, healthy=True)
-            self.router_address, self.http_address = router.address, router.http_address
-            self.heartbeat = Heartbeat(connect_registry(self.registry_address), lambda: InstanceInfo(
-                id=f"supervisor-{os.getpid()}", role=Role.SUPERVISOR, address=address, pid=os.getpid(),
-                model=s.model, state=InstanceState.SERVING), interval_s=1.0, ttl_s=5.0)
-        except BaseException:
-            self.stop()
-            raise
-        return self.router_address
+        for i in range(s.experts):  # first: prefill and decode instances attach to them as they start
+            self._spawn(f"expert-{i}", Role.EXPERT, self._instance_settings(Role.EXPERT, i))
+        if s.experts:
+            self._experts = [e.address for e in self._wait_for({Role.EXPERT: s.experts}, returning=Role.EXPERT)]
+        for role, count in ((Role.PREFILL, s.prefill), (Role.DECODE, s.decode)):
+            for _ in range(count):
+                self._spawn_instance(role)
+        child = self._spawn("router", Role.ROUTER, self._settings[Role.ROUTER])
+        (router,) = self._wait_for({Role.PREFILL: s.prefill, Role.DECODE: s.decode, Role.ROUTER: 1},
+                                   returning=Role.ROUTER, healthy=True)
+        self.router_address, self.http_address = router.address, router.http_address
+        # restarted, the router binds the ports it has now (those of port 0 included): its clients find it again
+        child.argv = self._argv(Role.ROUTER, dataclasses.replace(
+            self._settings[Role.ROUTER], port=_port(router.address),
+            http_port=_port(router.http_address) if router.http_address else None), child.environment)
 
     def _plan_cores(self) -> dict[Role, list[list[int]]]:
         """cpus=split: this host's cores shared among the engine instances by their ranks (decode first: the
@@ -182,18 +192,29 @@ class Supervisor:
         return {**os.environ, "INFERMESH_PARENT_PID": str(os.getpid()), **token}
 
     def _spawn(self, name: str, role: Role, settings: ServiceSettings) -> Child:
-        """`python -m <role's service> <its flags>`, rendered from `settings` (mesh.settings.to_flags)."""
         environment = self._environment()
-        return self._run(name, role, [sys.executable, "-m", MODULES[role], *to_flags(settings, environment)],
-                         environment)
+        return self._run(name, role.value, self._argv(role, settings, environment), environment)
+
+    @staticmethod
+    def _argv(role: Role, settings: ServiceSettings, environment: dict[str, str]) -> list[str]:
+        """`python -m <role's service> <its flags>`, rendered from `settings` (mesh.settings.to_flags)."""
+        return [sys.executable, "-m", MODULES[role], *to_flags(settings, environment)]
+
+    def _start_registry(self) -> str:
+        """The in-memory registry, a child on a port of its own; its `grpc://` address once it listens."""
+        host, (port,) = self.spec.host, _free_ports(self.spec.host, 1)
+        self._run("registry", "registry", [sys.executable, "-m", "mesh.registry.remote", "--host", host,
+                                           "--port", str(port)], self._environment())
+        self._wait_listening(host, port)
+        return f"grpc://{host}:{port}"
 
     def _start_pool(self) -> str:
         """The embedded KV pool (`--kv-pool mooncake`): Mooncake Store's master and a client holding the pool's
         memory, children like the instances; its `mooncake://` address once both listen."""
         host, (port, metrics_port, memory_port) = self.spec.host, _free_ports(self.spec.host, 3)
-        self._run("kv-pool-master", None, pool_processes.master(host, port, metrics_port), self._environment())
+        self._run("kv-pool-master", "kv-pool", pool_processes.master(host, port, metrics_port), self._environment())
         self._wait_listening(host, port)
-        self._run("kv-pool-memory", None, pool_processes.memory(host, memory_port, port, self.spec.kv_pool_memory),
+        self._run("kv-pool-memory", "kv-pool", pool_processes.memory(host, memory_port, port, self.spec.kv_pool_memory),
                   self._environment())
         self._wait_listening(host, memory_port)
         return f"mooncake://{host}:{port}"
@@ -201,7 +222,7 @@ class Supervisor:
     def _wait_listening(self, host: str, port: int) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while time.monotonic() < deadline:
-            self.check_children()  # one that exited fails the start, naming its log
+            self._fail_if_exited()
             with socket.socket() as s:
                 if s.connect_ex((host, port)) == 0:
                     return
@@ -209,14 +230,14 @@ class Supervisor:
         raise MeshError(f"nothing listened on {host}:{port} within {self.spec.startup_timeout_s:.0f} s; "
                         f"logs in {self.log_dir}")
 
-    def _run(self, name: str, role: Role | None, argv: list[str], environment: dict[str, str]) -> Child:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "wb") as out:  # no preexec_fn: vfork/exec without fork handlers in this gRPC process
-            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environment)
-        child = Child(name, role, process, log)
-        with self._lock:
-            self.children.append(child)
-        return child
+    def _run(self, name: str, kind: str, argv: list[str], environment: dict[str, str]) -> Child:
+        return self.children.run(name, kind, argv, environment, self.log_dir / f"{name}.log")
+
+    def _fail_if_exited(self) -> None:
+        """While the mesh starts, a process that exited fails the start: MeshError naming it and its log."""
+        if not self._serving and (child := self.children.exited()) is not None:
+            raise MeshError(f"{child.name} exited with code {child.process.returncode}; "
+                            f"last lines of {child.log}:\n{child.tail()}")
 
     def _wait_for(self, counts: dict[Role, int], *, returning: Role, healthy: bool = False,
                   exactly: bool = False) -> list[InstanceInfo]:
@@ -226,7 +247,7 @@ class Supervisor:
         registry = connect_registry(self.registry_address)
         try:
             while time.monotonic() < deadline:
-                self.check_children()
+                self._fail_if_exited()
                 found = [i for i in registry.instances() if i.state is InstanceState.SERVING]
                 have = {role: sum(i.role is role for i in found) for role in counts}
                 ready = all(have[role] == n if exactly else have[role] >= n for role, n in counts.items())
@@ -246,8 +267,7 @@ class Supervisor:
             raise RequestError(f"instances of {role.value} must be >= {1 if role is Role.DECODE else 0}, "
                                f"got {instances}", param="instances")
         with self._scaling:
-            with self._lock:
-                mine = [c for c in self.children if c.role is role and c.process.poll() is None]
+            mine = [c for c in self.children.alive(role.value) if c.state is ProcessState.RUNNING]
             if instances > len(mine):
                 started = [self._spawn_instance(role) for _ in range(instances - len(mine))]
                 found = self._wait_for({role: instances}, returning=role)
@@ -258,9 +278,8 @@ class Supervisor:
                 if child.process.pid in records:
                     internal_pb2_grpc.AdminStub(rpc.channel(records[child.process.pid].address)).Drain(
                         internal_pb2.DrainRequest(timeout_s=drain_timeout_s), timeout=10)
-            for child in leaving:
+            for child in leaving:  # exit 0: `watch` lets them go
                 child.process.wait(timeout=drain_timeout_s + 30)
-            self.check_children()  # lets the drained ones go
             return [], [records[c.process.pid].id for c in leaving if c.process.pid in records]
 
     def _registry_instances(self, role: Role) -> list[InstanceInfo]:
@@ -270,39 +289,28 @@ class Supervisor:
         finally:
             registry.close()
 
-    def check_children(self) -> list[str]:
-        """Let go of the children that left cleanly (exit 0: drained) and return their names; raise MeshError
-        naming the first that exited otherwise."""
-        with self._lock:
-            left = [c for c in self.children if c.process.poll() == 0]
-            self.children = [c for c in self.children if c not in left]
-            crashed = next((c for c in self.children if c.process.poll() is not None), None)
-        if crashed is not None:
-            tail = "\n".join(crashed.log.read_text(errors="replace").splitlines()[-15:])
-            raise MeshError(f"{crashed.name} exited with code {crashed.process.returncode}; "
-                            f"last lines of {crashed.log}:\n{tail}")
-        return [c.name for c in left]
+    def watch(self) -> list[str]:
+        """One round of supervision (`mesh.children`): what happened, one line per event. MeshError when a role
+        the mesh cannot serve without has no process left that will ever serve (after its last one's log)."""
+        events = self.children.watch()
+        required = {Role.DECODE.value, Role.ROUTER.value} | ({Role.EXPERT.value} if self.spec.experts else set())
+        for kind in sorted(required):
+            if not self.children.alive(kind):
+                last = [c for c in self.children.all() if c.kind == kind][-1]
+                raise MeshError("\n".join([*events, f"no {kind} instance left that can serve: {last.name} "
+                                                      f"{last.reason}; last lines of {last.log}:", last.tail()]))
+        return events
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every child (SIGTERM, then SIGKILL); safe to call twice."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
-        with self._lock:
-            children = list(self.children)
-        for child in children:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in children:
-            try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        self.children.stop(grace_s)
         if self.server is not None:
             self.server.stop(None)
             self.server = None
+        self.metrics.shutdown()
 
 
 class SupervisorService(internal_pb2_grpc.SupervisorServicer):
@@ -315,6 +323,17 @@ class SupervisorService(internal_pb2_grpc.SupervisorServicer):
         started, drained = self.supervisor.scale(role, request.instances)
         return internal_pb2.ScaleResponse(started=started, drained=drained, instances=request.instances)
 
+    def Processes(self, request, context):
+        return internal_pb2.ProcessesResponse(processes=[
+            internal_pb2.ProcessStatus(name=c.name, kind=c.kind, pid=c.process.pid, state=PROCESS_STATES[c.state],
+                                       restarts=len(c.restarted_at), last_exit=c.last_exit, reason=c.reason)
+            for c in self.supervisor.children.all()])
+
+
+PROCESS_STATES = {ProcessState.RUNNING: internal_pb2.PROCESS_STATE_RUNNING,
+                  ProcessState.RESTARTING: internal_pb2.PROCESS_STATE_RESTARTING,
+                  ProcessState.DOWN: internal_pb2.PROCESS_STATE_DOWN}
+
 
 def _healthy(address: str) -> bool:
     with rpc.channel(address) as ch:
@@ -324,6 +343,10 @@ def _healthy(address: str) -> bool:
         except grpc.RpcError:
             return False
     return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _port(address: str) -> int:
+    return urlsplit(f"//{address}").port
 
 
 def _free_ports(host: str, n: int) -> list[int]:

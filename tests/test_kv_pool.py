@@ -5,6 +5,7 @@ computing, never a wrong or failed answer."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -206,8 +207,8 @@ def test_up_starts_the_pool_and_its_engines_store_there(tiny_checkpoint):
     """`infermesh up --kv-pool mooncake`: the master and the pool's memory run under the supervisor (their RPC
     ports on --host), every engine instance attaches, and a prefilled prompt's blocks are stored."""
     from mesh.metrics import scrape
-    from tests.helpers import descendants, listening
-    from tests.test_mesh_processes import start_mesh, started, stop_mesh
+    from tests.helpers import listening
+    from tests.test_mesh_processes import cli, start_mesh, started, stop_mesh
     from tests.test_router import generate as ask
 
     folder, _ = tiny_checkpoint("llama")
@@ -216,7 +217,8 @@ def test_up_starts_the_pool_and_its_engines_store_there(tiny_checkpoint):
     instances = started(address)
     pids, pool = [i["pid"] for i in instances], {}
     try:
-        pool = {Path(f"/proc/{p}/exe").resolve().name: p for p in descendants(proc.pid) if p not in pids}
+        kept = json.loads(cli("status", "--target", address, "--json").stdout)["processes"]
+        pool = {Path(f"/proc/{p['pid']}/exe").resolve().name: p["pid"] for p in kept if p["kind"] == "kv-pool"}
         assert sorted(pool) == ["mooncake_client", "mooncake_master"]
         assert all(a.startswith("127.0.0.1:") for a in listening([pool["mooncake_master"]]))
         prompt = torch.randint(3, TINY_VOCAB, (100,), generator=torch.Generator().manual_seed(8)).tolist()

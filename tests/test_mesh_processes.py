@@ -163,9 +163,9 @@ def test_up_with_expert_instances_serves_an_moe_model_through_them(tiny_checkpoi
         stop_mesh(proc, pids)
 
 
-def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason(tiny_checkpoint):
-    folder, _ = tiny_checkpoint("llama")
-    proc, address = start_mesh(str(folder), "--prefill-cp", "2", "--decode-tp", "2")
+def test_when_a_role_has_no_instance_left_up_stops_every_other_and_exits_with_the_reason(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")  # --max-restarts 0: the killed decode instance is never restarted
+    proc, address = start_mesh(str(folder), "--prefill-cp", "2", "--decode-tp", "2", "--max-restarts", "0")
     instances = started(address)
     pids = [i["pid"] for i in instances]
     everything = pids + [child for pid in pids for child in descendants(pid)]
@@ -173,7 +173,8 @@ def test_when_one_process_crashes_up_stops_every_other_and_exits_with_the_reason
     (decode,) = [i["pid"] for i in instances if i["role"] == "decode"]
     os.kill(decode, signal.SIGKILL)
     rest = proc.stdout.read()
-    assert proc.wait(timeout=60) == 1 and "decode-0 exited with code -9" in rest
+    assert proc.wait(timeout=60) == 1 and "decode-0 was killed by signal 9; left down after 0 restarts" in rest
+    assert "no decode instance left that can serve" in rest
     assert_exited(everything)
 
 

@@ -1,5 +1,8 @@
-"""The in-memory registry shared over gRPC: the `infermesh up` supervisor serves a `MemoryRegistry`
-(`RegistryService`), every process of the mesh reaches it with `GrpcRegistry` (spec `grpc://HOST:PORT`)."""
+"""The in-memory registry shared over gRPC: `python -m mesh.registry.remote --host H --port P` serves a
+`MemoryRegistry` (`RegistryService`; the `infermesh up` supervisor runs it as a child and restarts it on
+the same port if it dies), every process of the mesh reaches it with `GrpcRegistry` (spec
+`grpc://HOST:PORT`). A restarted registry starts empty and the instances' heartbeats fill it again, as
+after a Redis outage."""
 
 from __future__ import annotations
 
@@ -107,3 +110,33 @@ class GrpcRegistry(Registry):
 
     def close(self) -> None:
         self._channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve an in-memory registry on --host:--port until SIGINT/SIGTERM (or the `infermesh up` parent dies)."""
+    import argparse
+    import os
+    import signal
+    import threading
+
+    from engine.parallel.lifetime import die_with_parent
+
+    parser = argparse.ArgumentParser(prog="python -m mesh.registry.remote")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    if "INFERMESH_PARENT_PID" in os.environ:
+        die_with_parent(int(os.environ["INFERMESH_PARENT_PID"]))
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    server, port, _ = rpc.start_server(args.host, args.port, [(internal_pb2_grpc.add_RegistryServicer_to_server,
+                                                               RegistryService(MemoryRegistry()),
+                                                               "infermesh.v1.Registry")])
+    print(f"registry serving on {args.host}:{port}", flush=True)
+    done.wait()
+    server.stop(None)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
+
+class ProcessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROCESS_STATE_UNSPECIFIED: _ClassVar[ProcessState]
+    PROCESS_STATE_RUNNING: _ClassVar[ProcessState]
+    PROCESS_STATE_RESTARTING: _ClassVar[ProcessState]
+    PROCESS_STATE_DOWN: _ClassVar[ProcessState]
 KV_TRANSPORT_UNSPECIFIED: KVTransport
 KV_TRANSPORT_GRPC_STREAM: KVTransport
 KV_TRANSPORT_TORCH_P2P: KVTransport
@@ -50,6 +57,10 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+PROCESS_STATE_UNSPECIFIED: ProcessState
+PROCESS_STATE_RUNNING: ProcessState
+PROCESS_STATE_RESTARTING: ProcessState
+PROCESS_STATE_DOWN: ProcessState
 
 class HeadRange(_message.Message):
     __slots__ = ("start", "end")
@@ -403,6 +414,34 @@ class ScaleResponse(_message.Message):
     drained: _containers.RepeatedScalarFieldContainer[str]
     instances: int
     def __init__(self, started: _Optional[_Iterable[str]] = ..., drained: _Optional[_Iterable[str]] = ..., instances: _Optional[int] = ...) -> None: ...
+
+class ProcessesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProcessStatus(_message.Message):
+    __slots__ = ("name", "kind", "pid", "state", "restarts", "last_exit", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EXIT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    pid: int
+    state: ProcessState
+    restarts: int
+    last_exit: int
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[ProcessState, str]] = ..., restarts: _Optional[int] = ..., last_exit: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ProcessesResponse(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessStatus]
+    def __init__(self, processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance", "ttl_s")

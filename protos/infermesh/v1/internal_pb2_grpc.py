@@ -805,6 +805,11 @@ class SupervisorStub:
                 request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.Processes = channel.unary_unary(
+                '/infermesh.v1.Supervisor/Processes',
+                request_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesRequest.SerializeToString,
+                response_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesResponse.FromString,
+                _registered_method=True)
 
 
 class SupervisorServicer:
@@ -819,6 +824,13 @@ class SupervisorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Processes(self, request, context):
+        """Every process it started and keeps: its state, restarts and last exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SupervisorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -826,6 +838,11 @@ def add_SupervisorServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.FromString,
                     response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.SerializeToString,
+            ),
+            'Processes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Processes,
+                    request_deserializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesRequest.FromString,
+                    response_serializer=protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -856,6 +873,33 @@ class Supervisor:
             '/infermesh.v1.Supervisor/Scale',
             protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleRequest.SerializeToString,
             protos_dot_infermesh_dot_v1_dot_internal__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Processes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.Supervisor/Processes',
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesRequest.SerializeToString,
+            protos_dot_infermesh_dot_v1_dot_internal__pb2.ProcessesResponse.FromString,
             options,
             channel_credentials,
             insecure,
