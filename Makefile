@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench image image-test clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,17 @@ test-fast: setup
 # (~20 minutes on 2 cores).
 bench: setup
 	$(BIN)/python bench/report.py
+
+# The cpu image (Containerfile), tagged as the Helm chart's default expects; CONTAINER: podman or docker.
+IMAGE ?= ghcr.io/infermesh/infermesh:0.1.0
+CONTAINER ?= $(shell command -v podman || command -v docker)
+image:
+	$(CONTAINER) build --target cpu -t $(IMAGE) -f Containerfile .
+
+# Builds the cpu image from a local Debian base and a wheel folder, runs the mesh in a container and checks
+# it from outside (answers, status, drain, stop); minutes, so not part of `make test`.
+image-test: setup
+	$(BIN)/python image/test.py --image $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

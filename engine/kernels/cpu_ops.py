@@ -51,8 +51,9 @@ def march() -> str:
 def library_path(root: str | Path | None = None) -> Path:
     """Where this machine's build of the kernels lies (built or not), under `root` or the default."""
     code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    # -march=native builds for this CPU, so the name hashes the CPU's flags as well as the target
-    target = f"{march()} {_cpu_flags()}".encode()
+    # -march=native builds for this CPU, so its name hashes the CPU's flags; a named target (a container image's
+    # x86-64-v3) builds the same library anywhere, so a pod finds the one its image was built with
+    target = (f"native {_cpu_flags()}" if march() == "native" else march()).encode()
     name = "infermesh_cpu_" + hashlib.sha256(code + target + torch.__version__.encode()).hexdigest()[:16]
     root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / name / f"{name}.so"
