@@ -39,6 +39,7 @@ from mesh.registry.remote import ROLES, from_message
 from protos.infermesh.v1 import common_pb2, internal_pb2, internal_pb2_grpc
 
 SCALABLE_ROLES = ("prefill", "decode")
+PLANNER = PlannerConfig()  # the SLOs `plan` sizes against unless told
 
 
 def _admin_token() -> str:
@@ -237,8 +238,8 @@ def _scale_locally(target: str, role: str, instances: int, admin_token: str) -> 
 
 def plan(
     target: str = typer.Option("127.0.0.1:8000", help="HOST:PORT of the mesh's router."),
-    ttft_slo_ms: float = typer.Option(1000.0, help="Time to first token, p90 (sizes prefill)."),
-    tpot_slo_ms: float = typer.Option(100.0, help="Time per output token, p90 (sizes decode)."),
+    ttft_slo_ms: float = typer.Option(PLANNER.ttft_slo_s * 1000, help="Time to first token, p90 (sizes prefill)."),
+    tpot_slo_ms: float = typer.Option(PLANNER.tpot_slo_s * 1000, help="Time per output token, p90 (sizes decode)."),
     interval_s: float = typer.Option(10.0, help="Seconds per window of the router's metrics."),
     windows: int = typer.Option(3, help="Windows to watch (a step down waits for 3 quiet ones)."),
     apply: bool = typer.Option(False, "--apply", help="Scale to the plan after each window (the local mesh, or"
@@ -279,6 +280,17 @@ def plan(
                     _scale_locally(target, role, n, admin_token)
 
 
+def _autoscaler(api, patch: ScalePatch) -> str:
+    """The name of the HorizontalPodAutoscaler that scales the patch's workload (KEDA's ScaledObjects work through
+    one, `keda-hpa-<name>`), or ""."""
+    kind = "Deployment" if patch.group == "apps" else "LeaderWorkerSet"
+    for hpa in api.list_namespaced_horizontal_pod_autoscaler(patch.namespace).items:
+        target = hpa.spec.scale_target_ref
+        if (target.kind, target.name) == (kind, patch.name):
+            return hpa.metadata.name
+    return ""
+
+
 def _scrape(url: str) -> dict:
     try:
         return scrape(url)
@@ -299,6 +311,10 @@ def _patch_kubernetes(patch: ScalePatch, api_client: Optional[object] = None) ->
             kubernetes.config.load_incluster_config()
     client = kubernetes.client
     try:
+        owner = _autoscaler(client.AutoscalingV2Api(api_client), patch)
+        if owner:
+            _exit(f"{patch.plural}/{patch.name} in {patch.namespace} is scaled by HorizontalPodAutoscaler {owner}: "
+                  "change its bounds (the chart's `autoscaling` values) or turn it off rather than fight it", code=2)
         if patch.group == "apps":
             client.AppsV1Api(api_client).patch_namespaced_deployment_scale(patch.name, patch.namespace, patch.body)
         else:

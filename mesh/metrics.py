@@ -16,7 +16,7 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.telemetry import push_metrics_reader
@@ -37,7 +37,11 @@ ENGINE_LOAD = {  # the gauges of an instance that runs an engine (prefill, decod
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """One Prometheus scrape: (sample name, sorted labels) -> value."""
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+        return parse(response.read().decode())
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text as (sample name, sorted labels) -> value."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -59,6 +63,10 @@ class Metrics:
         if port is not None:
             self._server, _ = start_http_server(port, addr=bind_host or host, registry=self._registry)
             self.url = f"http://{host}:{self._server.server_port}/metrics"
+
+    def samples(self) -> dict[tuple[str, tuple], float]:
+        """What a scrape of these metrics reads now, without HTTP."""
+        return parse(generate_latest(self._registry).decode())
 
     def counter(self, name: str, unit: str, description: str, zeros: tuple[dict, ...] = ({},)):
         """A counter, exported at 0 for each label set of `zeros` before it first counts (so a scrape sees it)."""

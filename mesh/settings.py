@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from engine.cpus import parse_cpus
 from engine.engine_config import DEFAULTS as ENGINE
 from engine.engine_config import EngineConfig
+from mesh.planner import PlannerConfig
 
 ENV_PREFIX = "INFERMESH_"
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -172,6 +173,10 @@ class RouterSettings(ServiceSettings):
     registry_refresh_s: float = 0.25  # routing reads the registry from a snapshot this old at most while requests flow
     shed_active_requests: int = 256  # a decode instance with this many requests has no room (with free KV blocks)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
+    # its planner (router.planner_watch): a window of its metrics this long, sized against these p90 SLOs
+    planner_interval_s: float = 30.0
+    ttft_slo_s: float = PlannerConfig().ttft_slo_s
+    tpot_slo_s: float = PlannerConfig().tpot_slo_s
     # when set, the public API (gRPC and HTTP) needs `authorization: Bearer <token>`; never shown in a repr
     api_token: str = dataclasses.field(default="", repr=False)
 
@@ -185,8 +190,14 @@ class RouterSettings(ServiceSettings):
             raise ValueError(f"shed_active_requests must be >= 1, got {self.shed_active_requests}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.planner_interval_s <= 0:
+            raise ValueError(f"planner_interval_s must be > 0, got {self.planner_interval_s}")
+        self.planner()  # checks the SLOs
         if self.policy not in ("round_robin", "least_load", "prefix_aware"):
             raise ValueError(f"policy must be round_robin, least_load or prefix_aware, got {self.policy!r}")
+
+    def planner(self) -> PlannerConfig:
+        return PlannerConfig(ttft_slo_s=self.ttft_slo_s, tpot_slo_s=self.tpot_slo_s)
 
 
 S = typing.TypeVar("S", bound=ServiceSettings)

@@ -24,6 +24,7 @@ from mesh.settings import RouterSettings
 from protos.infermesh.v1 import inference_pb2, inference_pb2_grpc
 from router.core import RouterCore
 from router.http import HttpFront
+from router.planner_watch import PlannerWatch
 
 TOKENIZE_ON_THE_LOOP_CHARS = 4096  # longer prompts are tokenized on a thread (`_tokenized`)
 
@@ -93,6 +94,8 @@ class RouterInstance(Instance):
                 self.http.stop()
             self.loop.stop()
             raise
+        self.planner = PlannerWatch(self.metrics, self.core.registry.instances, settings.planner(),
+                                    settings.planner_interval_s)
 
     def describe(self) -> dict:
         return {"http_address": self.http.address if self.http else ""}
@@ -101,6 +104,7 @@ class RouterInstance(Instance):
         return self.core.active
 
     def close(self) -> None:
+        self.planner.stop()
         try:
             if self.http is not None:
                 self.http.stop()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
+import typer
 
 from mesh.cli_admin import _patch_kubernetes, kubernetes_scale_patch
 from tests.test_mesh_processes import cli
@@ -24,20 +25,30 @@ COMMANDS = ("generate", "up", "demo", "rank", "status", "drain", "scale", "plan"
 
 
 class ApiServer(BaseHTTPRequestHandler):
-    """Answers PATCH .../scale as the Kubernetes API does, and keeps what it was sent."""
+    """Answers PATCH .../scale and the list of a namespace's HorizontalPodAutoscalers (`hpas`) as the
+    Kubernetes API does, and keeps what it was sent."""
 
     seen: list = []
+    hpas: list = []
 
-    def do_PATCH(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ApiServer.seen.append((self.path, self.headers["Content-Type"], body))
-        answer = json.dumps({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": "x"},
-                             "spec": body["spec"]}).encode()
+    def do_GET(self):
+        assert self.path.startswith("/apis/autoscaling/v2/namespaces/") and \
+            self.path.endswith("/horizontalpodautoscalers"), self.path
+        self._answer({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscalerList", "metadata": {},
+                      "items": ApiServer.hpas})
+
+    def _answer(self, document: dict) -> None:
+        answer = json.dumps(document).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
         self.wfile.write(answer)
+
+    def do_PATCH(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ApiServer.seen.append((self.path, self.headers["Content-Type"], body))
+        self._answer({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": "x"}, "spec": body["spec"]})
 
     def log_message(self, *args):
         pass
@@ -47,7 +58,7 @@ class ApiServer(BaseHTTPRequestHandler):
 def api_server():
     server = HTTPServer(("127.0.0.1", 0), ApiServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    ApiServer.seen = []
+    ApiServer.seen, ApiServer.hpas = [], []
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
 
@@ -63,6 +74,21 @@ def test_scale_kubernetes_patches_the_releases_workload_through_the_official_cli
     _patch_kubernetes(patch, kubernetes.client.ApiClient(configuration))
     ((sent_path, content_type, body),) = ApiServer.seen
     assert (sent_path, body) == (path, {"spec": {"replicas": 3}}) and "patch" in content_type
+
+
+def test_scale_kubernetes_refuses_a_workload_an_autoscaler_owns(api_server, capsys):
+    ApiServer.hpas = [{"metadata": {"name": "keda-hpa-prod-decode"}, "spec": {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "prod-decode"},
+        "maxReplicas": 8}}]
+    client = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=api_server))
+    with pytest.raises(typer.Exit) as exited:
+        _patch_kubernetes(kubernetes_scale_patch("decode", 3, "serving", "prod", False), client)
+    assert exited.value.exit_code == 2 and ApiServer.seen == []  # nothing patched
+    assert "deployments/prod-decode in serving is scaled by HorizontalPodAutoscaler keda-hpa-prod-decode" in \
+        capsys.readouterr().err
+    _patch_kubernetes(kubernetes_scale_patch("prefill", 3, "serving", "prod", False), client)  # not owned
+    ((path, _, _),) = ApiServer.seen
+    assert path == "/apis/apps/v1/namespaces/serving/deployments/prod-prefill/scale"
 
 
 def test_scale_dry_run_prints_the_patch_and_bad_arguments_exit_2():

@@ -54,10 +54,15 @@ TLS = ["--set", "tls.secret=mesh-tls", "--set", "tls.serverName=infermesh.mesh"]
 
 
 KV_POOL = ["--set", "kvPool.enabled=true"]
+HPA = ["--set", "autoscaling.enabled=true", "--set", "autoscaling.kind=hpa"]
+KEDA = ["--set", "autoscaling.enabled=true"]
+OBSERVABILITY = ["--set", "metrics.grafanaDashboard.enabled=true", "--set", "metrics.prometheusRule.enabled=true"]
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS], KV_POOL],
-                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "kv-pool"])
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)], ["-f", str(GPU_VALUES), *TLS], KV_POOL,
+                                    ["-f", str(GPU_VALUES), *HPA], KEDA + OBSERVABILITY],
+                         ids=["default", "gpu-cluster", "gpu-cluster-tls", "kv-pool", "gpu-cluster-hpa",
+                              "keda-dashboards-alerts"])
 def test_the_chart_lints_and_renders_valid_kubernetes(values, tmp_path):
     lint = helm("lint", str(CHART), *values)
     assert lint.returncode == 0, lint.stdout + lint.stderr
@@ -69,7 +74,7 @@ def test_the_chart_lints_and_renders_valid_kubernetes(values, tmp_path):
                        "template": doc["spec"]["leaderWorkerTemplate"][part]}
                 files.append(tmp_path / f"{name}-{part}.yaml")
                 files[-1].write_text(yaml.safe_dump(pod))
-        elif kind != "ServiceMonitor":  # a CRD too: asserted on below
+        elif kind not in ("ServiceMonitor", "ScaledObject", "PrometheusRule"):  # CRDs too: asserted on elsewhere
             files.append(tmp_path / f"{kind}-{name}.yaml")
             files[-1].write_text(yaml.safe_dump(doc))
     validate = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "--quiet",
@@ -226,3 +231,39 @@ def test_the_kv_pool_runs_from_our_image_and_one_rank_engines_point_at_it():
     assert "--kv-pool=mooncake://mesh-kv-pool:50051" in args["mesh-decode"]
     assert not any(a.startswith("--kv-pool") for a in args["mesh-prefill"])  # two ranks: not yet
     assert ("Deployment", "mesh-kv-pool") not in render()  # off by default
+
+
+def test_autoscaling_scales_prefill_and_decode_to_the_planners_metric_and_owns_their_replicas():
+    """KEDA: a ScaledObject per role whose Prometheus trigger reads the planner's metric for that role in the
+    release's namespace, one pod per desired instance; an HPA alike on the external metric, for a
+    LeaderWorkerSet where an instance spans nodes. The workloads leave `replicas` to them."""
+    keda = render(*KEDA, "--set", "autoscaling.prefill.minReplicas=0", "--namespace", "serving")
+    for role in ("prefill", "decode"):
+        scaled = keda["ScaledObject", f"mesh-{role}"]
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                    "name": f"mesh-{role}"}
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert trigger["metadata"]["query"] == \
+            f'max(infermesh_planner_desired_instances{{role="{role}",namespace="serving"}})'
+        assert trigger["metadata"]["threshold"] == "1"
+        assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == \
+            ((0 if role == "prefill" else 1), 8)
+        assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == \
+            {"stabilizationWindowSeconds": 300}
+        assert "replicas" not in keda["Deployment", f"mesh-{role}"]["spec"]
+    assert keda["Deployment", "mesh-router"]["spec"]["replicas"] == 2  # not autoscaled
+    assert "replicas" in render()["Deployment", "mesh-decode"]["spec"]  # off by default
+
+    hpa = render("-f", str(GPU_VALUES), *HPA, "--set", "autoscaling.prefill.minReplicas=0")
+    for role, kind in (("prefill", "LeaderWorkerSet"), ("decode", "Deployment")):  # CP=16 over two nodes, TP=8
+        spec = hpa["HorizontalPodAutoscaler", f"mesh-{role}"]["spec"]
+        assert spec["scaleTargetRef"]["kind"] == kind and "replicas" not in hpa[kind, f"mesh-{role}"]["spec"]
+        (metric,) = spec["metrics"]
+        assert metric["external"]["metric"] == {"name": "infermesh_planner_desired_instances",
+                                                "selector": {"matchLabels": {"role": role}}}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+        assert spec["minReplicas"] == 1  # an HPA cannot scale to zero without a feature gate
+    router = containers(hpa["Deployment", "mesh-router"])[0]["args"]
+    assert {"--ttft-slo-s=1", "--tpot-slo-s=0.1", "--planner-interval-s=30"} <= set(router)

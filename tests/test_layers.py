@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "engine", "kvtransfer", "mesh", "router", "prefill_svc", "decode_svc", "expert_svc")
 SERVICES = ("router", "prefill_svc", "decode_svc", "expert_svc")
 # Above the services, as their clients (they start services as processes, by module name, and call them over gRPC).
-CONTROL = ("mesh.cli", "mesh.cli_admin", "mesh.supervisor", "mesh.children", "mesh.planner")
+CONTROL = ("mesh.cli", "mesh.cli_admin", "mesh.supervisor", "mesh.children")
 # Plain-Python leaves of the engine that the mesh's plumbing may use: failure types, core lists, the model's and
 # the engine's configuration (defaults and checks), and dying with a parent process.
 ENGINE_LEAVES = ("engine.errors", "engine.cpus", "engine.config", "engine.engine_config", "engine.parallel.lifetime")

@@ -105,3 +105,27 @@ def test_bounds_hold_and_a_bad_config_is_named():
         PlannerConfig(low_water=1.5)
     with pytest.raises(ValueError, match=r"1 <= min_decode \(0\)"):
         PlannerConfig(min_decode=0)
+
+
+def test_the_router_exports_its_planners_recommendation_for_a_cluster_autoscaler(tiny_checkpoint):
+    """router.planner_watch: over its SLOs the router's planner asks for more instances of both roles at once,
+    and idle windows bring the count back down one at a time; the mesh's gauges say what it holds."""
+    from mesh.metrics import scrape
+    from tests.helpers import wait_until
+    from tests.test_router import generate
+    from tests.tiny_mesh import tiny_mesh
+
+    folder, _ = tiny_checkpoint("llama")
+    with tiny_mesh(folder, ttft_slo_s=1e-6, tpot_slo_s=1e-6, planner_interval_s=0.2,
+                   local_prefill_max_tokens=4) as mesh:
+        def gauge(name: str, role: str) -> float:
+            return scrape(mesh.router.metrics.url)[(name, (("role", role),))]
+
+        assert gauge("infermesh_planner_desired_instances", "decode") == 1  # no window yet: what the mesh has
+        assert gauge("infermesh_mesh_instances", "prefill") == gauge("infermesh_mesh_instances", "decode") == 1
+        assert gauge("infermesh_mesh_kv_blocks_total", "decode") == mesh.decode.record().kv_blocks_total > 0
+        assert generate(mesh.router.address, list(range(5, 40)))[0]  # disaggregated: a TTFT and TPOTs over the SLOs
+        wait_until(lambda: (gauge("infermesh_planner_desired_instances", "prefill"),
+                            gauge("infermesh_planner_desired_instances", "decode")) == (2, 2))
+        wait_until(lambda: (gauge("infermesh_planner_desired_instances", "prefill"),
+                            gauge("infermesh_planner_desired_instances", "decode")) == (0, 1))  # quiet: down
