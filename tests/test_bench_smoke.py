@@ -88,3 +88,10 @@ def test_serve_bench_runs(tmp_path):
 def test_push_bench_runs():
     proc = run_quick("push.py", timeout=600)
     assert "| prefilled on decode |" in proc.stdout and "| prefill + decode, shared_memory |" in proc.stdout
+
+
+def test_gpu_check_runs_and_its_checks_pass_here():
+    """bench/gpu_check.py, prepared for a GPU, runs its checks on this CPU (Triton in its interpreter)."""
+    proc = run_quick("gpu_check.py", timeout=300)
+    assert "| parity: tiny llama, 3 prompts x 12 greedy tokens | ok | 3/3 equal |" in proc.stdout
+    assert "| Triton LSE merge, 4 partials | ok |" in proc.stdout and "MISMATCH" not in proc.stdout

@@ -109,6 +109,9 @@ def test_a_mesh_with_tls_serves_its_own_and_refuses_everyone_else(tiny_checkpoin
                                env=mesh_env)  # every prompt through prefill
     status = cli("status", "--target", address, "--json", env={tls.CA: str(pki["ca"])})  # the CA alone: the router
     assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["processes"] == [] and "note: no processes from supervisor-" in status.stderr
+    kept = json.loads(cli("status", "--target", address, "--json", env=mesh_env).stdout)["processes"]
+    assert sorted(p["name"] for p in kept) == ["decode-0", "prefill-0", "registry", "router"]  # with the mesh's own
     instances = json.loads(status.stdout)["instances"]
     by_role = {i["role"]: i for i in instances}
     try:
