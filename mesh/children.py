@@ -7,8 +7,8 @@ once it has been restarted too often; every restart is counted (`on_restart`). A
 the list (state DOWN, `reason` says why) so `infermesh status` can show it. `stop()` stops them all
 (SIGTERM, then SIGKILL after a grace period) and is safe twice.
 
-Thread safety: one lock guards the list; `watch` runs on the supervisor's main thread, `run` and
-`alive` on the gRPC threads that scale.
+Thread safety: one lock guards the list; `watch` runs on the supervisor's main thread, `run`, `alive`
+and `retire` on the gRPC threads that scale.
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ class Children:
         """The children of `kind` that serve or will again (running or waiting to restart), oldest first."""
         with self._lock:
             return [c for c in self._children if c.kind == kind and c.state is not ProcessState.DOWN]
+
+    def retire(self, child: Child) -> bool:
+        """Let go of `child` if it is waiting out its back-off (scaled down before its restart); False if it is
+        running (drain it instead) or down."""
+        with self._lock:
+            if child.state is not ProcessState.RESTARTING:
+                return False
+            self._children.remove(child)
+            return True
 
     def exited(self) -> Child | None:
         """The first child whose process has exited, if any (while the mesh starts, that fails the start)."""

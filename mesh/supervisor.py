@@ -267,12 +267,12 @@ class Supervisor:
             raise RequestError(f"instances of {role.value} must be >= {1 if role is Role.DECODE else 0}, "
                                f"got {instances}", param="instances")
         with self._scaling:
-            mine = [c for c in self.children.alive(role.value) if c.state is ProcessState.RUNNING]
+            mine = self.children.alive(role.value)  # running, or back after their back-off
             if instances > len(mine):
                 started = [self._spawn_instance(role) for _ in range(instances - len(mine))]
                 found = self._wait_for({role: instances}, returning=role)
                 return [i.id for i in found if i.pid in {c.process.pid for c in started}], []
-            leaving = mine[instances:]  # the newest
+            leaving = [c for c in mine[instances:] if not self.children.retire(c)]  # the newest running ones
             records = {i.pid: i for i in self._registry_instances(role)}
             for child in leaving:
                 if child.process.pid in records:

@@ -86,7 +86,7 @@ def test_serve_bench_runs(tmp_path):
 
 
 def test_push_bench_runs():
-    proc = run_quick("push.py", timeout=600)
+    proc = run_quick("push.py", "--transports", "shared_memory", timeout=600)  # each transport: test_mesh_processes
     assert "| prefilled on decode |" in proc.stdout and "| prefill + decode, shared_memory |" in proc.stdout
 
 

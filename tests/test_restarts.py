@@ -88,6 +88,19 @@ def test_a_child_that_crashes_at_every_start_is_left_down_after_the_limit(tmp_pa
     assert "no model here" in child.tail()
 
 
+def test_a_child_waiting_to_restart_can_be_retired_and_a_running_one_cannot(tmp_path):
+    children = Children(RestartPolicy(first_backoff_s=60.0, max_backoff_s=60.0))
+    waiting = children.run("decode-1", "decode", python("raise SystemExit(1)"), {}, tmp_path / "decode-1.log")
+    running = children.run("decode-0", "decode", python("import time; time.sleep(600)"), {}, tmp_path / "d0.log")
+    try:
+        watch_until(children, lambda: waiting.state is ProcessState.RESTARTING, [])
+        assert children.alive("decode") == [waiting, running]  # both count: one is back after its back-off
+        assert children.retire(waiting) and not children.retire(running)
+        assert children.all() == [running]
+    finally:
+        children.stop(grace_s=5)
+
+
 def test_a_clean_exit_is_let_go_and_never_restarted(tmp_path):
     children = Children(RestartPolicy(first_backoff_s=0.01))
     child = children.run("decode-1", "decode", python("pass"), {}, tmp_path / "decode-1.log")
