@@ -3,9 +3,10 @@ instance killed (SIGKILL) in the middle of a 1,000-token stream is restarted whi
 carries the stream to the other decode instance, which ends it with the in-process engine's tokens, no gap,
 no repeat; a prefill instance killed with a request in hand (its KV not yet pushed) is restarted and decode
 recomputes the prompt; the router killed between requests is restarted on the same ports and serves gRPC
-and the OpenAI front again; a process that fails at every start (its model gone) is left down after
---max-restarts and the mesh serves on with the others. `status` shows each restart and why; the
-supervisor counts them in infermesh_instance_restarts_total{role}.
+and the OpenAI front again; the in-memory registry killed comes back on its port, the router serving on
+its snapshot meanwhile, and every instance registers again by its heartbeat; a process that fails at
+every start (its model gone) is left down after --max-restarts and the mesh serves on with the others.
+`status` shows each restart and why; the supervisor counts them in infermesh_instance_restarts_total{role}.
 
 One mesh for the whole module, a tiny checkpoint whose context holds the long stream. Every engine holds
 its steps while the hold file exists (`INFERMESH_TEST_HOLD_FILE`, engine.loop), so each kill lands at a
@@ -194,6 +195,26 @@ def test_the_router_killed_between_requests_serves_again_on_the_same_ports(mesh)
     assert answer.json()["choices"][0]["text"] == expected.text
     row = processes(mesh.address)["router"]
     assert row["restarts"] == 1 and row["pid"] != router["pid"] and restarts(mesh.address)["router"] == 1
+
+
+def test_the_registry_killed_comes_back_on_its_port_and_every_instance_registers_again(mesh):
+    registry = processes(mesh.address)["registry"]
+    ids = prompt(30, 6)
+    (expected,) = mesh.reference.generate([ids], GREEDY)
+    os.kill(registry["pid"], signal.SIGKILL)
+    assert generate(mesh.address, ids)[0] == expected.token_ids  # the router routes on what it last read
+
+    def registered_again() -> bool:
+        out = cli("status", "--target", mesh.address, "--json")  # the router lists what the registry holds
+        if out.returncode != 0:
+            return False
+        found = json.loads(out.stdout)
+        restarted = [p["restarts"] for p in found["processes"] if p["name"] == "registry"]  # none: no supervisor yet
+        roles = sorted(i["role"] for i in found["instances"] if i["state"] == "serving")
+        return restarted == [1] and roles == ["decode", "decode", "prefill", "router", "supervisor"]
+    wait_until(registered_again, timeout_s=120)
+    assert restarts(mesh.address)["registry"] == 1
+    assert generate(mesh.address, ids)[0] == expected.token_ids
 
 
 def test_a_process_that_fails_at_every_start_is_left_down_and_the_mesh_serves_on(mesh):
