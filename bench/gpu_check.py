@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU through the interpreter
 sys.path[0] = str(ROOT)  # repo root, not bench/: no script here shadows a package
 
+from bench.kernel_throughput import timed  # noqa: E402
 from engine import LLM, EngineConfig, EngineCore, SamplingParams  # noqa: E402
 from engine.kernels.lse_merge import merge_lse  # noqa: E402
 from engine.kernels.moe_permute import combine_rows, permute_rows  # noqa: E402
@@ -56,20 +56,6 @@ class Row:
     def line(self) -> str:
         verdict = {True: "ok", False: "MISMATCH", None: ""}[self.ok]
         return f"| {self.check} | {verdict} | {self.figure} | {self.peer} |"
-
-
-def timed(fn, repeats: int, device: str) -> float:
-    """The median seconds of `fn()` after one warm-up call."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def tiny_checkpoint(arch: str, folder: Path) -> Path:
@@ -121,7 +107,7 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy (read + write): the floor a memory-bound kernel is held to."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda: dst.copy_(src), 10, device)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), 10)
 
 
 def kernel_checks(device: str, quick: bool) -> list[Row]:
@@ -146,8 +132,7 @@ def kernel_checks(device: str, quick: bool) -> list[Row]:
         ref.append(o[0])
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     decode_ok = torch.allclose(out.float(), torch.stack(ref), atol=tolerance, rtol=tolerance)
-    seconds = timed(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), 3 if quick else 20,
-                    device)
+    seconds = timed(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), 3 if quick else 20)
     kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * k_cache.element_size()
     floor = copy_bandwidth(device, 1 << 22 if quick else 1 << 30)
     rows = [Row(f"Triton paged decode attention, batch {batch} x {context} tokens, {str(dtype)[6:]}", decode_ok,
@@ -212,12 +197,10 @@ def throughput_rows(device: str, quick: bool, folder: Path) -> list[Row]:
     ids = torch.tensor([[5, 6, 7, 8 + i] for i in range(batch)], device=device)
     options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        first = timed(lambda: theirs.generate(ids, max_new_tokens=1, min_new_tokens=1, **options), 1, device)
-        whole = timed(lambda: theirs.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **options), 1,
-                      device)
+        first = timed(lambda: theirs.generate(ids, max_new_tokens=1, min_new_tokens=1, **options), 1)
+        whole = timed(lambda: theirs.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **options), 1)
         theirs_decode = batch * steps / max(whole - first, 1e-9)
-        theirs_prefill = prefill / timed(lambda: theirs(torch.tensor([prompt], device=device), logits_to_keep=1), 2,
-                                         device)
+        theirs_prefill = prefill / timed(lambda: theirs(torch.tensor([prompt], device=device), logits_to_keep=1), 2)
     name = "tiny llama" if quick else "SmolLM2-135M"
     return [Row(f"decode tokens/s, {name}, batch {batch}, {str(dtype).removeprefix('torch.')}", None,
                 f"{ours_decode:.0f}", f"transformers {theirs_decode:.0f} ({ours_decode / theirs_decode:.2f}x)"),
