@@ -57,6 +57,9 @@ class MeshSpec:
             raise ValueError(f"need experts >= 0 and expert_ep >= 1, got {self.experts} and {self.expert_ep}")
         if self.kv_pool not in ("none", "mooncake") and not self.kv_pool.startswith("mooncake://"):
             raise ValueError(f"kv_pool must be none, mooncake or mooncake://HOST:PORT, got {self.kv_pool!r}")
-        RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s)  # checks them
+        self.restart_policy()  # checks them
         if self.cpus not in ("split", "shared"):
             raise ValueError(f"cpus must be split or shared, got {self.cpus!r}")
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s)

@@ -48,7 +48,6 @@ from mesh.mesh_spec import MeshSpec
 from mesh.metrics import Metrics
 from mesh.registry import InstanceInfo, InstanceState, Role, connect_registry
 from mesh.registry.remote import from_role
-from mesh.restarts import RestartPolicy
 from mesh.service import Heartbeat
 from mesh.settings import (
     DecodeSettings,
@@ -82,7 +81,7 @@ class Supervisor:
         self._restarts = self.metrics.counter("infermesh_instance_restarts", "{restart}",
                                               "Processes of the mesh restarted after a crash, by role",
                                               zeros=tuple({"role": kind} for kind in KINDS))
-        self.children = Children(RestartPolicy(max_restarts=spec.max_restarts, window_s=spec.restart_window_s),
+        self.children = Children(spec.restart_policy(),
                                  on_restart=lambda child: self._restarts.add(1, {"role": child.kind}))
         self.server = self.heartbeat = None
         self.registry_address = spec.registry

@@ -33,7 +33,6 @@ class PlannerWatch:
         """`instances()`: the registry's instances now (the router's snapshot)."""
         self.metrics, self.instances, self.config, self.interval_s = metrics, instances, config, interval_s
         self.desired: dict[Role, int] | None = None  # None: no window yet (recommend what the mesh has)
-        self.reason = "no window yet"
         self._windows: deque[planner.Window] = deque(maxlen=config.settle_windows + 1)
         self._stop = threading.Event()
         meter = metrics.meter
@@ -73,7 +72,7 @@ class PlannerWatch:
             serving = self._serving()
             decided = planner.plan(list(self._windows), len(serving[Role.PREFILL]), len(serving[Role.DECODE]),
                                    self.config)
-            self.desired, self.reason = {Role.PREFILL: decided.prefill, Role.DECODE: decided.decode}, decided.reason
+            self.desired = {Role.PREFILL: decided.prefill, Role.DECODE: decided.decode}
 
     def stop(self) -> None:
         self._stop.set()
